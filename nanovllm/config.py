@@ -1,0 +1,86 @@
+"""Engine configuration: every knob, validated once, with errors that name the field and its limit."""
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class Config:
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1  # -1: size from memory; a positive value caps the cache
+    device: str = "auto"  # "auto" | "cuda" | "cpu"
+    dtype: str = "auto"  # "auto" | "float32" | "float16" | "bfloat16"
+    attention_backend: str = "auto"
+    seed: int = 0
+    hf_config: PretrainedConfig | None = field(default=None, repr=False)
+    eos_token_ids: tuple[int, ...] = ()  # filled in by the engine from the tokenizer and generation_config
+
+    def __post_init__(self):
+        if not os.path.isdir(self.model):
+            raise FileNotFoundError(f"model folder {self.model!r} does not exist")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise FileNotFoundError(f"model folder {self.model!r} has no config.json")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=8)
+        _check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=-1)
+        _check_int("seed", self.seed, minimum=0)
+        if self.num_kvcache_blocks == 0:
+            raise ValueError("num_kvcache_blocks=0: use -1 to size the cache from memory, or a positive cap")
+        if self.kvcache_block_size % 16:
+            raise ValueError(f"kvcache_block_size={self.kvcache_block_size} must be a positive multiple of 16")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"enforce_eager={self.enforce_eager!r} must be a bool")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device={self.device!r} must be one of 'auto', 'cuda', 'cpu'")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
+
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        if self.dtype == "auto":
+            self.dtype = checkpoint_dtype(self.hf_config) if self.device == "cuda" else "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "Config":
+        """Build a Config from engine arguments; a name that is not a field is a TypeError, not ignored."""
+        known = {f.name for f in fields(cls)} - {"model", "hf_config", "eos_token_ids"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; valid ones are {sorted(known)}")
+        return cls(model, **kwargs)
+
+
+def checkpoint_dtype(hf_config: PretrainedConfig) -> str:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "bfloat16"
+    name = str(dtype).removeprefix("torch.")
+    return name if name in DTYPES else "bfloat16"
+
+
+def _check_int(name: str, value, minimum: int, maximum: int | None = None):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < minimum or (maximum is not None and value > maximum):
+        limit = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}={value} must be {limit}")

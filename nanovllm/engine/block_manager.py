@@ -1,0 +1,112 @@
+"""Paged KV-cache blocks: allocation, reference counts and the prefix cache.
+
+A full block is identified by a chained xxhash of its tokens and the hash of the block before it, so equal
+hashes mean equal prefixes. A block is hashed only once its KV has been computed (never on allocation), so
+a hit always finds finished KV, also across chunked prefills. A freed block keeps its hash until it is
+reused: a later request with the same prefix can still claim it.
+"""
+from collections import deque
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: list[int] = []
+
+
+def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
+    h = xxhash.xxh64()
+    if prefix != -1:
+        h.update(prefix.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix, leaving at least one token to compute."""
+        block_ids, h = [], -1
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            token_ids = seq.block(i, self.block_size)
+            h = compute_hash(token_ids, h)
+            block_id = self.hash_to_block_id.get(h, -1)
+            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def _take_free_block(self) -> int:
+        block = self.blocks[self.free_block_ids.popleft()]
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids, block.ref_count = -1, [], 1
+        return block.block_id
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give a waiting sequence blocks for all its tokens, reusing cached ones; False if they don't fit."""
+        assert not seq.block_table
+        cached = self._cached_prefix(seq)
+        num_shared = sum(self.blocks[b].ref_count > 0 for b in cached)
+        if seq.num_blocks(self.block_size) - num_shared > len(self.free_block_ids):
+            return False
+        for block_id in cached:  # claim cached blocks before taking fresh ones, which could evict them
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self.free_block_ids.remove(block_id)
+            block.ref_count += 1
+        fresh = [self._take_free_block() for _ in range(seq.num_blocks(self.block_size) - len(cached))]
+        seq.block_table = cached + fresh
+        seq.num_computed_tokens = len(cached) * self.block_size
+        if seq.num_cached_tokens == -1:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        return True
+
+    def deallocate(self, seq: Sequence):
+        for block_id in reversed(seq.block_table):  # the tail is freed first, so it is evicted first
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids.append(block_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        needed = (seq.num_computed_tokens + num_new_tokens + self.block_size - 1) // self.block_size
+        return needed - len(seq.block_table) <= len(self.free_block_ids)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1):
+        """Grow the block table to hold the KV of the next `num_new_tokens` tokens."""
+        needed = (seq.num_computed_tokens + num_new_tokens + self.block_size - 1) // self.block_size
+        while len(seq.block_table) < needed:
+            seq.block_table.append(self._take_free_block())
+
+    def hash_computed_blocks(self, seq: Sequence, num_computed_before: int):
+        """Register the blocks that this step filled with computed KV in the prefix cache."""
+        for i in range(num_computed_before // self.block_size, seq.num_computed_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash != -1:
+                continue
+            prefix = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            block.token_ids = seq.block(i, self.block_size)
+            block.hash = compute_hash(block.token_ids, prefix)
+            self.hash_to_block_id[block.hash] = block.block_id

@@ -1,0 +1,231 @@
+"""One tensor-parallel rank: device, process group, weights, KV cache, and the forward + sample of a step.
+
+Rank 0 lives in the caller's process and drives the others: `call(method, *args)` pickles the call into a
+shared-memory buffer, wakes every worker with its Event, then runs the same method itself. Workers sit in
+`loop()` until they are told to exit.
+"""
+import logging
+import os
+import pickle
+from contextlib import contextmanager
+from multiprocessing.shared_memory import SharedMemory
+from multiprocessing.synchronize import Event
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention, AttentionMetadata, get_backend
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models import model_class
+from nanovllm.utils.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+SHM_SIZE = 1 << 20
+CPU_KV_CACHE_SHARE = 0.25  # of available RAM, at most, for the cache on CPU
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class ModelRunner:
+
+    def __init__(self, config: Config, rank: int, event: Event | list[Event], dist_port: int = 0,
+                 shm_name: str = ""):
+        self.config = config
+        self.rank = rank
+        self.world_size = config.tensor_parallel_size
+        self.event = event
+        self.block_size = config.kvcache_block_size
+        self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
+        self.dtype = config.torch_dtype
+        if config.device == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1:
+            dist.init_process_group("nccl" if config.device == "cuda" else "gloo",
+                                    init_method=f"tcp://127.0.0.1:{dist_port}",
+                                    world_size=self.world_size, rank=rank)
+
+        hf_config = config.hf_config
+        with default_dtype(self.dtype), self.device:
+            self.model = model_class(hf_config)(hf_config)
+        load_model(self.model, config.model)
+        self.backend = get_backend(self._backend_name())
+        self.sampler = Sampler()
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.allocate_kv_cache()
+
+        self.shm = None
+        if self.world_size > 1:
+            if rank == 0:
+                self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
+                dist.barrier()
+            else:
+                dist.barrier()
+                self.shm = SharedMemory(name=shm_name)
+                self.loop()
+
+    def _backend_name(self) -> str:
+        name = self.config.attention_backend
+        return "torch" if name == "auto" else name
+
+    # ---- tensor-parallel plumbing -------------------------------------------------------------------
+    def exit(self):
+        if self.shm is not None:
+            self.shm.close()
+            if self.rank == 0:
+                self.shm.unlink()
+            self.shm = None
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def loop(self):
+        while True:
+            method_name, args = self.read_shm()
+            self.call(method_name, *args)
+            if method_name == "exit":
+                break
+
+    def read_shm(self):
+        self.event.wait()
+        n = int.from_bytes(self.shm.buf[0:4], "little")
+        method_name, *args = pickle.loads(self.shm.buf[4:n + 4])
+        self.event.clear()
+        return method_name, args
+
+    def write_shm(self, method_name: str, *args):
+        data = pickle.dumps([method_name, *args])
+        if len(data) + 4 > self.shm.size:
+            raise RuntimeError(f"a {method_name!r} call pickles to {len(data)} bytes, over the "
+                               f"{self.shm.size}-byte shared-memory buffer")
+        self.shm.buf[0:4] = len(data).to_bytes(4, "little")
+        self.shm.buf[4:len(data) + 4] = data
+        for event in self.event:
+            event.set()
+
+    def call(self, method_name: str, *args):
+        if self.world_size > 1 and self.rank == 0:
+            self.write_shm(method_name, *args)
+        return getattr(self, method_name)(*args)
+
+    # ---- KV cache -----------------------------------------------------------------------------------
+    def allocate_kv_cache(self):
+        config, hf_config = self.config, self.config.hf_config
+        attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        num_kv_heads, head_dim = attn_layers[0].num_kv_heads, attn_layers[0].head_dim
+        self.backend.check(self.block_size, head_dim)
+        block_bytes = 2 * len(attn_layers) * self.block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        num_blocks = self._num_kv_blocks(block_bytes)
+        if self.world_size > 1:  # every rank must hold the same number of blocks
+            t = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            num_blocks = int(t.item())
+        capacity = num_blocks * self.block_size
+        if capacity < config.max_model_len:
+            if config.device == "cuda" and config.num_kvcache_blocks < 0:
+                raise ValueError(
+                    f"the KV cache fits {capacity} tokens ({num_blocks} blocks of {self.block_size}), fewer than "
+                    f"max_model_len={config.max_model_len}; raise gpu_memory_utilization or lower max_model_len")
+            logger.warning("max_model_len lowered from %d to %d: the KV cache holds %d blocks of %d tokens",
+                           config.max_model_len, capacity, num_blocks, self.block_size)
+            config.max_model_len = capacity
+        config.num_kvcache_blocks = num_blocks
+        self.kv_cache = torch.empty(2, len(attn_layers), num_blocks, self.block_size, num_kv_heads, head_dim,
+                                    dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(attn_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.backend = self.backend
+
+    def _num_kv_blocks(self, block_bytes: int) -> int:
+        config = self.config
+        if config.num_kvcache_blocks > 0:
+            return config.num_kvcache_blocks
+        if config.device == "cuda":
+            self.warmup_model()
+            free, total = torch.cuda.mem_get_info()
+            # only this process's own peak counts, so another process on the GPU cannot starve the sizing
+            budget = total * config.gpu_memory_utilization - torch.cuda.max_memory_allocated()
+            return max(int(budget) // block_bytes, 0)
+        enough = -(-config.max_num_seqs * config.max_model_len // self.block_size)
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return max(min(enough, int(available * CPU_KV_CACHE_SHARE) // block_bytes), 1)
+
+    def warmup_model(self):
+        """One prefill of the largest batch, so the peak activation memory is known before sizing the cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        max_tokens, max_len = self.config.max_num_batched_tokens, self.config.max_model_len
+        num_seqs = min(max_tokens // max_len, self.config.max_num_seqs) or 1
+        seqs = [Sequence([0] * min(max_len, max_tokens)) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.num_scheduled_tokens = seq.num_tokens
+        self.run(seqs)
+        torch.cuda.empty_cache()
+
+    # ---- a step -------------------------------------------------------------------------------------
+    def prepare(self, seqs: list[Sequence]):
+        """Inputs and attention metadata of a varlen batch: each sequence computes its scheduled tokens."""
+        query_lens = np.array([seq.num_scheduled_tokens for seq in seqs], dtype=np.int64)
+        starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
+        context_lens = starts + query_lens
+        cu_seqlens_q = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu_seqlens_q[1:])
+        num_tokens = int(cu_seqlens_q[-1])
+        seq_index = np.repeat(np.arange(len(seqs)), query_lens)
+        positions = np.arange(num_tokens) - cu_seqlens_q[seq_index] + starts[seq_index]
+        input_ids = np.fromiter((t for seq in seqs for t in seq.scheduled_token_ids), np.int64, num_tokens)
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        block_tables = np.full((len(seqs), max_blocks), -1, dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            block_tables[i, :len(seq.block_table)] = seq.block_table
+        if max_blocks:
+            blocks = block_tables[seq_index, positions // self.block_size].astype(np.int64)
+            slot_mapping = blocks * self.block_size + positions % self.block_size
+        else:  # warm-up: no cache yet
+            slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
+        samples = np.array([seq.samples_this_step for seq in seqs], dtype=bool)
+        logits_indices = cu_seqlens_q[1:][samples] - 1
+
+        to_device = self._to_device
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping),
+            block_tables=to_device(block_tables),
+            context_lens=to_device(context_lens.astype(np.int32)),
+            cu_seqlens_q=to_device(cu_seqlens_q.astype(np.int32)),
+            max_seqlen_q=int(query_lens.max()),
+            max_seqlen_k=int(context_lens.max()),
+            query_lens_host=query_lens.tolist(),
+            context_lens_host=context_lens.tolist(),
+        )
+        return to_device(input_ids), to_device(positions), meta, to_device(logits_indices)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> list[int] | None:
+        """Compute the scheduled tokens of `seqs`; rank 0 returns one sampled token per sampling sequence."""
+        input_ids, positions, meta, logits_indices = self.prepare(seqs)
+        hidden_states = self.model(input_ids, positions, meta)
+        if logits_indices.numel() == 0:
+            return [] if self.rank == 0 else None
+        logits = self.model.compute_logits(hidden_states[logits_indices])
+        if self.rank != 0:
+            return None
+        temperatures = self._to_device(np.array([seq.temperature for seq in seqs if seq.samples_this_step],
+                                                dtype=np.float32))
+        return self.sampler(logits, temperatures, self.generator).tolist()

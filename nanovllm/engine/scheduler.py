@@ -1,0 +1,113 @@
+"""Which sequences run in the next step, and how many tokens each computes.
+
+One model of work: a running sequence has `num_tokens - num_computed_tokens` tokens left to compute; a
+decode has one left, a prefill more. nano-vllm's policy: a step prefills while prompts wait (the last prompt
+of a step is chunked when it exceeds the token budget), else it decodes every running sequence. When decode
+runs out of KV blocks, the newest running sequence is preempted and recomputed later.
+"""
+from collections import deque
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+
+    def __init__(self, config: Config):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = frozenset(config.eos_token_ids)
+        self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence):
+        """Drop a sequence wherever it is and free its blocks."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq)
+        seq.num_scheduled_tokens = 0
+
+    def schedule(self) -> list[Sequence]:
+        """Pick this step's sequences and set `num_scheduled_tokens` on each."""
+        scheduled = self._schedule_prefill()
+        return scheduled if scheduled else self._schedule_decode()
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled, budget = [], self.max_num_batched_tokens
+        for seq in self.running:  # a prompt chunked in an earlier step goes on first
+            if budget and seq.num_tokens - seq.num_computed_tokens > 1:
+                budget -= self._take(seq, budget)
+                scheduled.append(seq)
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.allocate(seq):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= self._take(seq, budget)
+            scheduled.append(seq)
+        return scheduled
+
+    @staticmethod
+    def _take(seq: Sequence, budget: int) -> int:
+        seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        return seq.num_scheduled_tokens
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled = []
+        while len(scheduled) < len(self.running):
+            seq = self.running[len(scheduled)]
+            while not self.block_manager.can_append(seq):
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    return scheduled
+            self.block_manager.append_slots(seq)
+            seq.num_scheduled_tokens = 1
+            scheduled.append(seq)
+        return scheduled
+
+    def _preempt(self, seq: Sequence):
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Account for a finished step: advance, hash full blocks, append samples; returns finished ones."""
+        sampled = iter(token_ids)
+        finished = []
+        for seq in seqs:
+            samples = seq.samples_this_step
+            num_computed_before = seq.num_computed_tokens
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.hash_computed_blocks(seq, num_computed_before)
+            if not samples:
+                continue
+            token_id = next(sampled)
+            seq.append_token(token_id)
+            if not seq.ignore_eos and token_id in self.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+            else:
+                continue
+            seq.status = SequenceStatus.FINISHED
+            self.block_manager.deallocate(seq)
+            self.running.remove(seq)
+            finished.append(seq)
+        return finished

@@ -1,0 +1,90 @@
+"""One request: its tokens, how many of them are in the KV cache, and its block table.
+
+A sequence pickles compactly for the tensor-parallel workers: only what one step needs travels (the
+scheduled tokens, the block table and a few counters), never the whole token history.
+"""
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    __slots__ = (
+        "seq_id", "status", "token_ids", "token_offset", "last_token", "num_tokens", "num_prompt_tokens",
+        "num_computed_tokens", "num_cached_tokens", "num_scheduled_tokens", "block_table",
+        "temperature", "max_tokens", "ignore_eos", "finish_reason",
+    )
+    counter = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams()):
+        self.seq_id = next(Sequence.counter)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = copy(token_ids)
+        self.token_offset = 0  # index of token_ids[0] in the sequence; > 0 only in a worker's copy
+        self.last_token = token_ids[-1]
+        self.num_tokens = len(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache at first admission
+        self.num_scheduled_tokens = 0  # tokens this step computes
+        self.block_table: list[int] = []
+        self.temperature = sampling_params.temperature
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+        self.finish_reason: str | None = None
+
+    def __len__(self):
+        return self.num_tokens
+
+    def __getitem__(self, key):
+        return self.token_ids[key]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def scheduled_token_ids(self) -> list[int]:
+        start = self.num_computed_tokens - self.token_offset
+        return self.token_ids[start:start + self.num_scheduled_tokens]
+
+    @property
+    def samples_this_step(self) -> bool:
+        """A step samples a token for this sequence when it computes up to the last token."""
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    def num_blocks(self, block_size: int) -> int:
+        return (self.num_tokens + block_size - 1) // block_size
+
+    def block(self, i: int, block_size: int) -> list[int]:
+        return self.token_ids[i * block_size:(i + 1) * block_size]
+
+    def append_token(self, token_id: int):
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1
+
+    def __getstate__(self):
+        return (self.seq_id, self.num_tokens, self.num_computed_tokens, self.num_scheduled_tokens,
+                self.block_table, self.temperature, self.scheduled_token_ids)
+
+    def __setstate__(self, state):
+        (self.seq_id, self.num_tokens, self.num_computed_tokens, self.num_scheduled_tokens,
+         self.block_table, self.temperature, self.token_ids) = state
+        self.token_offset = self.num_computed_tokens

@@ -1,0 +1,35 @@
+import pytest
+import torch
+
+from nanovllm.utils.random_checkpoint import make_random_checkpoint
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return str(make_random_checkpoint(tmp_path_factory.mktemp("tiny"), "tiny"))
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def assert_greedy_matches_hf(hf_model, prompt_ids: list[int], output_ids: list[int], atol: float = 1e-4):
+    """Teacher-forced check: each generated token is HF's argmax (within `atol`) given everything before it."""
+    assert output_ids, "no tokens were generated"
+    full = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = hf_model(full).logits[0, len(prompt_ids) - 1:-1].float()
+    picked = logits.gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+    gap = logits.max(dim=1).values - picked
+    assert gap.max().item() <= atol, f"token {gap.argmax().item()} is {gap.max().item():.2e} below HF's argmax"

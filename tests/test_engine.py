@@ -1,0 +1,123 @@
+"""End to end on CPU: greedy tokens equal Hugging Face's (teacher-forced) in every scheduling regime."""
+import json
+import random
+import shutil
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from tests.conftest import assert_greedy_matches_hf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def mixed_prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 5, 16, 17, 31, 48, 70, 100][:n]
+    return [[rng.randrange(3, 500) for _ in range(length)] for length in lengths]
+
+
+def check_all(hf_model, prompts, outputs):
+    assert len(outputs) == len(prompts)
+    for prompt, out in zip(prompts, outputs):
+        assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_greedy_matches_hf_mixed_lengths(tiny_model, hf_model, block_size):
+    llm = LLM(tiny_model, kvcache_block_size=block_size)
+    prompts = mixed_prompts()
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check_all(hf_model, prompts, outputs)
+    for out in outputs:
+        assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
+        assert out["text"] == llm.tokenizer.decode(out["token_ids"])
+
+
+def test_text_prompts_and_per_prompt_params(tiny_model, hf_model):
+    llm = LLM(tiny_model, kvcache_block_size=16)
+    prompts = ["hello world, this is a test of the engine", "the quick brown fox jumps"]
+    params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outputs] == [5, 9]
+    check_all(hf_model, [llm.tokenizer.encode(p) for p in prompts], outputs)
+
+
+def test_prefix_cache_hits_keep_tokens(tiny_model, hf_model):
+    llm = LLM(tiny_model, kvcache_block_size=16)
+    shared = mixed_prompts()[-1][:64]
+    prompts = [shared + [7, 8, 9], shared + [10] * 20, shared[:40]]
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]
+    # the second run finds every full block of each prompt cached (but the one holding the last token)
+    assert [o["num_cached_tokens"] for o in second] == [64, 80, 32]
+    check_all(hf_model, prompts, second)
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == len(bm.blocks)
+
+
+def test_chunked_prefill(tiny_model, hf_model):
+    llm = LLM(tiny_model, kvcache_block_size=16, max_num_batched_tokens=24)
+    step_sizes = []
+    schedule = llm.scheduler.schedule
+
+    def recording_schedule():
+        seqs = schedule()
+        step_sizes.append(sum(seq.num_scheduled_tokens for seq in seqs))
+        return seqs
+
+    llm.scheduler.schedule = recording_schedule
+    prompts = mixed_prompts()
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check_all(hf_model, prompts, outputs)
+    assert max(step_sizes) == 24  # 100-token prompts went through in chunks of the budget
+
+
+def test_preemption_under_a_tiny_cache(tiny_model, hf_model):
+    llm = LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=8)
+    assert llm.config.max_model_len == 128  # lowered to what the cache holds
+    prompts = mixed_prompts(6)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    check_all(hf_model, prompts, outputs)
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == len(bm.blocks)
+
+
+def test_stops_at_max_model_len(tiny_model):
+    llm = LLM(tiny_model, kvcache_block_size=16, max_model_len=30)
+    out = llm.generate([list(range(3, 28))], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 5
+
+
+def test_stops_on_generation_config_eos(tiny_model, tmp_path):
+    prompt = mixed_prompts()[4]
+    free_run = LLM(tiny_model).generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"]
+    stop_at = next(i for i, t in enumerate(free_run) if t not in free_run[:i] and i >= 2)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    gen_config = json.loads((model / "generation_config.json").read_text())
+    gen_config["eos_token_id"] = [free_run[stop_at]]
+    (model / "generation_config.json").write_text(json.dumps(gen_config))
+
+    llm = LLM(str(model))
+    params = SamplingParams(temperature=0, max_tokens=12)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop"
+    assert out["token_ids"] == free_run[:stop_at + 1]
+    ignored = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert ignored[0]["token_ids"] == free_run
+
+
+def test_sampling_is_seeded_and_in_vocab(tiny_model):
+    prompts = mixed_prompts(4)
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    a = LLM(tiny_model, seed=1).generate(prompts, params, use_tqdm=False)
+    b = LLM(tiny_model, seed=1).generate(prompts, params, use_tqdm=False)
+    c = LLM(tiny_model, seed=2).generate(prompts, params, use_tqdm=False)
+    assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
+    assert [o["token_ids"] for o in a] != [o["token_ids"] for o in c]
+    assert all(0 <= t < 512 for o in a for t in o["token_ids"])

@@ -1,0 +1,73 @@
+"""Bad input gets a clear error before any work starts, and the engine serves the next call normally."""
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model, kvcache_block_size=16, max_model_len=64)
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        LLM(str(tmp_path / "does-not-exist"))
+
+
+def test_unknown_engine_argument_is_named(tiny_model):
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(tiny_model, max_num_seq=4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"kvcache_block_size": 24}, "kvcache_block_size=24"),
+    ({"max_num_seqs": 0}, "max_num_seqs=0"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"device": "tpu"}, "device='tpu'"),
+    ({"dtype": "float8"}, "dtype='float8'"),
+    ({"attention_backend": "nope"}, "attention_backend='nope'"),
+])
+def test_bad_engine_settings(tiny_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_model, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"temperature": -0.5}, ValueError),
+    ({"temperature": float("nan")}, ValueError),
+    ({"max_tokens": 0}, ValueError),
+    ({"max_tokens": 2.5}, TypeError),
+    ({"ignore_eos": "yes"}, TypeError),
+])
+def test_bad_sampling_params(kwargs, error):
+    with pytest.raises(error, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompts, params, error, match", [
+    ([list(range(3, 70))], GREEDY, ValueError, "67 tokens, more than max_model_len=64"),
+    ([""], GREEDY, ValueError, "empty"),
+    ([[]], GREEDY, ValueError, "empty"),
+    ([[5, 512]], GREEDY, ValueError, "token id 512 is outside the vocabulary \\[0, 512\\)"),
+    ([[5, -1]], GREEDY, ValueError, "token id -1"),
+    ([[5, 6.0]], GREEDY, TypeError, "list of ints"),
+    ([3.5], GREEDY, TypeError, "str or a list of token ids"),
+    (["a", "b"], [GREEDY] * 3, ValueError, "4 sampling params were given for 3 prompts"),
+    (["a"], [None], TypeError, "must be SamplingParams"),
+])
+def test_bad_requests_leave_engine_usable(llm, prompts, params, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate(["fine prompt"] + prompts, params if not isinstance(params, list) else params[:1] + params,
+                     use_tqdm=False)
+    assert llm.is_finished()  # nothing of the rejected call was queued
+    out = llm.generate(["fine prompt", [5, 6, 7]], GREEDY, use_tqdm=False)
+    assert [len(o["token_ids"]) for o in out] == [4, 4]
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == len(bm.blocks)
+
+
+def test_prompt_of_exactly_max_model_len_is_served(llm):
+    out = llm.generate([list(range(3, 67))], SamplingParams(max_tokens=10), use_tqdm=False)[0]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 1
