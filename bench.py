@@ -3,12 +3,14 @@
     python bench.py                          # random weights: Qwen3-0.6B's shapes on CUDA, a tiny model on CPU
     python bench.py --model /path/to/model   # a real checkpoint
     python bench.py --enforce-eager          # without CUDA graphs
+    python bench.py --engine hf              # Hugging Face generate on the same weights and prompts
 """
 import argparse
 import time
 from random import randint, seed
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import default_checkpoint
@@ -26,26 +28,58 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--engine", choices=["nanovllm", "hf"], default="nanovllm")
+    parser.add_argument("--hf-output-len", type=int, default=512, help="fixed output length for --engine hf")
+    parser.add_argument("--hf-batch-size", type=int, default=256)
     args = parser.parse_args()
 
     path = args.model or str(default_checkpoint(args.shape or ("qwen3-0.6b" if torch.cuda.is_available() else "tiny")))
-    llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tp)
-    vocab = min(10000, llm.config.hf_config.vocab_size)
-
-    seed(0)
-    prompt_token_ids = [[randint(0, vocab - 1) for _ in range(randint(args.min_len, args.max_input_len))]
+    vocab_size = AutoConfig.from_pretrained(path).vocab_size
+    seed(0)  # the same draws as nano-vllm's bench.py, folded into small vocabularies
+    prompt_token_ids = [[randint(0, 10000) % vocab_size for _ in range(randint(args.min_len, args.max_input_len))]
                         for _ in range(args.num_seqs)]
-    sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True,
-                                      max_tokens=randint(args.min_len, args.max_output_len))
-                       for _ in range(args.num_seqs)]
+    output_lens = [randint(args.min_len, args.max_output_len) for _ in range(args.num_seqs)]
 
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
-    t = time.perf_counter()
-    outputs = llm.generate(prompt_token_ids, sampling_params, use_tqdm=False)
-    elapsed = time.perf_counter() - t
-    total_tokens = sum(len(o["token_ids"]) for o in outputs)
-    print(f"Total: {total_tokens}tok, Time: {elapsed:.2f}s, Throughput: {total_tokens / elapsed:.2f}tok/s")
+    if args.engine == "hf":
+        total_tokens, elapsed = run_hf(path, prompt_token_ids, args.hf_output_len, args.hf_batch_size)
+    else:
+        llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+                  tensor_parallel_size=args.tp)
+        sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
+        t = time.perf_counter()
+        outputs = llm.generate(prompt_token_ids, sampling_params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        total_tokens = sum(len(o["token_ids"]) for o in outputs)
+    print(f"Engine: {args.engine}{' (eager)' if args.enforce_eager else ''}, Total: {total_tokens}tok, "
+          f"Time: {elapsed:.2f}s, Throughput: {total_tokens / elapsed:.2f}tok/s")
+
+
+def run_hf(path: str, prompt_token_ids: list[list[int]], output_len: int, batch_size: int) -> tuple[int, float]:
+    """Hugging Face generate (sdpa), greedy, every prompt to exactly `output_len` new tokens."""
+    cuda = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if cuda else torch.float32,
+                                                 attn_implementation="sdpa").to("cuda" if cuda else "cpu").eval()
+    pad = model.config.pad_token_id or 0
+
+    def batches():
+        for i in range(0, len(prompt_token_ids), batch_size):
+            chunk = prompt_token_ids[i:i + batch_size]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+            yield ids, mask
+
+    model.generate(torch.tensor([[1, 2, 3]], device=model.device), max_new_tokens=4, do_sample=False)  # warm-up
+    total, t = 0, time.perf_counter()
+    with torch.inference_mode():
+        for ids, mask in batches():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                                 do_sample=False, pad_token_id=pad)
+            total += (out.size(1) - ids.size(1)) * ids.size(0)
+    if cuda:
+        torch.cuda.synchronize()
+    return total, time.perf_counter() - t
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Bad input gets a clear error before any work starts, and the engine serves the next call normally."""
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 
@@ -32,6 +33,13 @@ def test_unknown_engine_argument_is_named(tiny_model):
 def test_bad_engine_settings(tiny_model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny_model, **kwargs)
+
+
+def test_flash_attn_without_cuda_is_a_clear_error(tiny_model):
+    if torch.cuda.is_available():
+        pytest.skip("this machine can run flash-attn")
+    with pytest.raises(ValueError, match="attention_backend='flash-attn' needs CUDA"):
+        LLM(tiny_model, attention_backend="flash-attn")
 
 
 @pytest.mark.parametrize("kwargs, error", [

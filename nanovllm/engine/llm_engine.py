@@ -1,9 +1,9 @@
 """The user-facing loop: prompts in, one output dict per prompt out, in prompt order."""
-import atexit
 import json
 import os
 import socket
 import uuid
+import weakref
 from time import perf_counter
 
 import torch.multiprocessing as mp
@@ -38,16 +38,12 @@ class LLMEngine:
             self.events.append(event)
         self.model_runner = ModelRunner(config, 0, self.events, dist_port, shm_name)
         self.scheduler = Scheduler(config)
-        atexit.register(self.exit)
+        # runs once: on exit(), when the engine is garbage-collected, or at interpreter exit; it holds the runner
+        # but not the engine, so a dropped engine frees its GPU memory
+        self._finalizer = weakref.finalize(self, shutdown, self.model_runner, self.processes)
 
     def exit(self):
-        if self.model_runner is None:
-            return
-        self.model_runner.call("exit")
-        self.model_runner = None
-        for process in self.processes:
-            process.join()
-        atexit.unregister(self.exit)
+        self._finalizer()
 
     # ---- requests ----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -155,6 +151,12 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
         if extra is not None:
             ids.update([extra] if isinstance(extra, int) else extra)
     return tuple(sorted(ids))
+
+
+def shutdown(model_runner: ModelRunner, processes: list):
+    model_runner.call("exit")
+    for process in processes:
+        process.join()
 
 
 def free_port() -> int:

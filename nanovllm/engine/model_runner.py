@@ -17,7 +17,11 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata, get_backend
+from nanovllm.layers.flash_attention import flash_attn_available
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
@@ -61,9 +65,18 @@ class ModelRunner:
             self.model = model_class(hf_config)(hf_config)
         load_model(self.model, config.model)
         self.backend = get_backend(self._backend_name())
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attn_layers:
+            layer.backend = self.backend
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        if config.device == "cuda":
+            self.compile_small_ops()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_vars = None
         self.allocate_kv_cache()
+        if config.device == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
+            self.capture_cudagraphs()
 
         self.shm = None
         if self.world_size > 1:
@@ -77,7 +90,25 @@ class ModelRunner:
 
     def _backend_name(self) -> str:
         name = self.config.attention_backend
-        return "torch" if name == "auto" else name
+        if name == "flash-attn" and self.config.device != "cuda":
+            raise ValueError(f"attention_backend='flash-attn' needs CUDA; device is {self.config.device!r}")
+        if name != "auto":
+            return name
+        if self.config.device == "cuda":
+            family = flash_attn_available()
+            # FA2's paged kernels need blocks of a multiple of 256; neither family runs float32
+            if family and self.dtype != torch.float32 and (family == "fa4" or self.block_size % 256 == 0):
+                return "flash-attn"
+            if self.rank == 0:
+                logger.warning("flash-attn cannot run here (%s): using the torch attention backend, which is slow "
+                               "on CUDA", "not importable" if family is None else "dtype or block size")
+        return "torch"
+
+    def compile_small_ops(self):
+        """Fuse the elementwise layers and the sampler with torch.compile (CUDA only), as nano-vllm does."""
+        for module in [*self.model.modules(), self.sampler]:
+            if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul, Sampler)):
+                module.forward = torch.compile(module.forward, dynamic=True)
 
     # ---- tensor-parallel plumbing -------------------------------------------------------------------
     def exit(self):
@@ -89,6 +120,14 @@ class ModelRunner:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+        # give the GPU memory back now: compiled forwards make reference cycles that only a gc would break
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = self.graph_vars = None
+        self.graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def loop(self):
         while True:
@@ -121,8 +160,7 @@ class ModelRunner:
 
     # ---- KV cache -----------------------------------------------------------------------------------
     def allocate_kv_cache(self):
-        config, hf_config = self.config, self.config.hf_config
-        attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        config, attn_layers = self.config, self.attn_layers
         num_kv_heads, head_dim = attn_layers[0].num_kv_heads, attn_layers[0].head_dim
         self.backend.check(self.block_size, head_dim)
         block_bytes = 2 * len(attn_layers) * self.block_size * num_kv_heads * head_dim * self.dtype.itemsize
@@ -141,11 +179,11 @@ class ModelRunner:
                            config.max_model_len, capacity, num_blocks, self.block_size)
             config.max_model_len = capacity
         config.num_kvcache_blocks = num_blocks
-        self.kv_cache = torch.empty(2, len(attn_layers), num_blocks, self.block_size, num_kv_heads, head_dim,
+        # zeros, not empty: a kernel may read the rows past a sequence's end in its last block (then masked)
+        self.kv_cache = torch.zeros(2, len(attn_layers), num_blocks, self.block_size, num_kv_heads, head_dim,
                                     dtype=self.dtype, device=self.device)
         for i, layer in enumerate(attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            layer.backend = self.backend
 
     def _num_kv_blocks(self, block_bytes: int) -> int:
         config = self.config
@@ -186,7 +224,7 @@ class ModelRunner:
         positions = np.arange(num_tokens) - cu_seqlens_q[seq_index] + starts[seq_index]
         input_ids = np.fromiter((t for seq in seqs for t in seq.scheduled_token_ids), np.int64, num_tokens)
         max_blocks = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.full((len(seqs), max_blocks), -1, dtype=np.int32)
+        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)  # padding is never read
         for i, seq in enumerate(seqs):
             block_tables[i, :len(seq.block_table)] = seq.block_table
         if max_blocks:
@@ -220,7 +258,10 @@ class ModelRunner:
     def run(self, seqs: list[Sequence]) -> list[int] | None:
         """Compute the scheduled tokens of `seqs`; rank 0 returns one sampled token per sampling sequence."""
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
-        hidden_states = self.model(input_ids, positions, meta)
+        if self.graphs and meta.max_seqlen_q == 1 and len(seqs) <= self.graph_batch_sizes[-1]:
+            hidden_states = self.replay_cudagraph(input_ids, positions, meta)
+        else:
+            hidden_states = self.model(input_ids, positions, meta)
         if logits_indices.numel() == 0:
             return [] if self.rank == 0 else None
         logits = self.model.compute_logits(hidden_states[logits_indices])
@@ -229,3 +270,57 @@ class ModelRunner:
         temperatures = self._to_device(np.array([seq.temperature for seq in seqs if seq.samples_this_step],
                                                 dtype=np.float32))
         return self.sampler(logits, temperatures, self.generator).tolist()
+
+    # ---- CUDA graphs for decode ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_cudagraphs(self):
+        """One graph per decode batch size, sharing static buffers that each replay refills."""
+        config = self.config
+        max_bs = min(config.max_num_seqs, 512)
+        # a full-length sequence's first decode needs max_model_len // block_size + 1 blocks
+        max_blocks = config.max_model_len // self.block_size + 1
+        hidden_size = config.hf_config.hidden_size
+        self.graph_batch_sizes = sorted({*[b for b in (1, 2, 4, 8) if b < max_bs], *range(16, max_bs, 16), max_bs})
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=self.device),
+            context_lens=torch.zeros(max_bs, **i32),
+            block_tables=torch.zeros(max_bs, max_blocks, **i32),
+            cu_seqlens_q=torch.arange(max_bs + 1, **i32),
+            outputs=torch.zeros(max_bs, hidden_size, dtype=self.dtype, device=self.device),
+        )
+        g = self.graph_vars
+        g["context_lens"].fill_(1)  # capture with a valid one-token context in block 0
+        pool = None
+        for bs in reversed(self.graph_batch_sizes):
+            meta = self._graph_metadata(bs)
+            g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)  # warm-up / compile
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def _graph_metadata(self, bs: int) -> AttentionMetadata:
+        g = self.graph_vars
+        return AttentionMetadata(slot_mapping=g["slot_mapping"][:bs], block_tables=g["block_tables"][:bs],
+                                 context_lens=g["context_lens"][:bs], cu_seqlens_q=g["cu_seqlens_q"][:bs + 1],
+                                 max_seqlen_q=1, max_seqlen_k=self.config.max_model_len)
+
+    def replay_cudagraph(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        n = input_ids.size(0)
+        bs = next(b for b in self.graph_batch_sizes if b >= n)
+        g = self.graph_vars
+        g["input_ids"][:n] = input_ids
+        g["positions"][:n] = positions
+        g["slot_mapping"][:bs].fill_(-1)  # padding rows write nothing
+        g["slot_mapping"][:n] = meta.slot_mapping
+        g["context_lens"][:bs].fill_(1)  # padding rows read one slot of block 0 and write nothing
+        g["context_lens"][:n] = meta.context_lens
+        g["block_tables"][:bs].zero_()  # no stale entries from an earlier, longer batch
+        g["block_tables"][:n, :meta.block_tables.size(1)] = meta.block_tables
+        self.graphs[bs].replay()
+        return g["outputs"][:n]

@@ -28,6 +28,7 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """A kernel family for the KV-cache store and paged attention."""
     name: str
+    supports_cuda_graphs = False  # True when forward reads only tensors (no host lists) and can be captured
 
     def check(self, block_size: int, head_dim: int):
         """Raise ValueError when this backend cannot run with these settings."""
@@ -80,13 +81,16 @@ class TorchBackend(AttentionBackend):
         return out
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend}
+BACKEND_NAMES = ("torch", "flash-attn")
 
 
 def get_backend(name: str) -> AttentionBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend={name!r} is unknown; valid ones are {['auto', *BACKENDS]}")
-    return BACKENDS[name]()
+    if name == "torch":
+        return TorchBackend()
+    if name == "flash-attn":
+        from nanovllm.layers.flash_attention import FlashAttnBackend  # imports flash-attn only when asked for
+        return FlashAttnBackend()
+    raise ValueError(f"attention_backend={name!r} is unknown; valid ones are {['auto', *BACKEND_NAMES]}")
 
 
 class Attention(nn.Module):

@@ -1,0 +1,125 @@
+"""The flash-attn backend: paged attention through the flash-attention kernels, the KV store through Triton.
+
+Contract (see `nanovllm.layers.attention`): sequence i's queries `q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]` are the
+last tokens of its `context_lens[i]` tokens, whose keys and values are already in the paged cache under block
+table row i (int32, padded with -1). Attention is causal, aligned to the end of the context.
+
+Two kernel families, picked once when the backend is built:
+- "fa4": flash-attn-4, `flash_attn.cute.flash_attn_varlen_func`, on Hopper/Blackwell (sm 9x-11x). One call per
+  batch, whatever mixes of prefill and decode it holds: `page_table` = block tables, `seqused_k` = context
+  lengths (`cu_seqlens_k` cannot be combined with `page_table`). Any block size.
+- "fa2": the flash-attn 2 API (`flash_attn_varlen_func` with `block_table`, `flash_attn_with_kvcache` for
+  batches of single-token queries). Its paged KV needs a block size that is a multiple of 256.
+
+The kernels only read the block-table entries of blocks below `ceil(context_len / block_size)`, so the -1
+padding is passed as it is. FA4 reads whole pages when a page is exactly one key tile (block size 128 on
+sm90 with head_dim <= 128): the rows past a sequence's end in its last block must then hold finite values,
+which a zero-initialised cache guarantees.
+"""
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
+from nanovllm.layers import triton_kvstore
+
+FA2_BLOCK_MULTIPLE = 256
+MAX_HEAD_DIM = 256
+
+
+@cache
+def _import_family(family: str):
+    """The family's kernels and None, or None and why they do not import (importing FA4 takes seconds: once)."""
+    try:
+        if family == "fa4":
+            from flash_attn.cute import flash_attn_varlen_func
+            return (flash_attn_varlen_func,), None
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        return (flash_attn_varlen_func, flash_attn_with_kvcache), None
+    except Exception as e:  # not installed, or a build that cannot load here
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _unusable_reason(family: str) -> str | None:
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability()
+    if family == "fa4" and major not in (9, 10, 11):
+        return f"flash-attn-4's paged attention needs sm90-sm110 (Hopper/Blackwell); this GPU is sm{major}{minor}"
+    if family == "fa2" and major < 8:
+        return f"flash-attn 2 needs sm80 or newer; this GPU is sm{major}{minor}"
+    return _import_family(family)[1]
+
+
+def flash_attn_available() -> str | None:
+    """The flash-attn family this machine can use, "fa4" before "fa2", or None."""
+    for family in ("fa4", "fa2"):
+        if _unusable_reason(family) is None:
+            return family
+    return None
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash-attn"
+    supports_cuda_graphs = True  # forward reads only device tensors and fixed host integers
+
+    def __init__(self, family: str | None = None):
+        if family not in (None, "fa4", "fa2"):
+            raise ValueError(f"flash-attn family={family!r} must be 'fa4', 'fa2' or None (the best available)")
+        if family is None:
+            family = flash_attn_available()
+            if family is None:
+                reasons = "; ".join(f"{f}: {_unusable_reason(f)}" for f in ("fa4", "fa2"))
+                raise ValueError("attention_backend='flash-attn' needs CUDA and flash-attn-4 "
+                                 f"(flash_attn.cute) or flash-attn 2 (flash_attn); {reasons}")
+        elif (reason := _unusable_reason(family)) is not None:
+            raise ValueError(f"flash-attn family {family!r} is unusable here: {reason}")
+        self.family = family
+        self._kernels = _import_family(family)[0]
+
+    def check(self, block_size: int, head_dim: int):
+        if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"the flash-attn backend needs head_dim to be a multiple of 8 and at most "
+                             f"{MAX_HEAD_DIM}; the model has head_dim={head_dim}")
+        if self.family == "fa2" and block_size % FA2_BLOCK_MULTIPLE:
+            raise ValueError(f"kvcache_block_size={block_size}: flash-attn 2 (FA2) paged attention needs a "
+                             f"block size that is a multiple of {FA2_BLOCK_MULTIPLE}")
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+        triton_kvstore.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not k_cache.numel():
+            return self._forward_without_cache(q, k, v, meta, scale)
+        if self.family == "fa4":
+            (varlen,) = self._kernels
+            # No max_seqlen_k: FA4 then bounds it by the block-table width, which still holds when a captured
+            # CUDA graph is replayed with longer contexts (a host integer would be frozen at capture).
+            out, _ = varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
+                            seqused_k=meta.context_lens, page_table=meta.block_tables,
+                            softmax_scale=scale, causal=True)
+            return out
+        varlen, with_kvcache = self._kernels
+        if meta.max_seqlen_q == 1:  # decode: one query per sequence, the split-KV decode kernel
+            out = with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
+                               block_table=meta.block_tables, softmax_scale=scale, causal=True)
+            return out.squeeze(1)
+        # FA2's varlen kernel takes key lengths as cumulative offsets, even with a block table
+        cu_seqlens_k = F.pad(meta.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                      softmax_scale=scale, causal=True, block_table=meta.block_tables)
+
+    def _forward_without_cache(self, q, k, v, meta, scale):
+        """A warm-up run before the cache exists: each sequence attends over this step's own tokens."""
+        cu_seqlens = meta.cu_seqlens_q
+        if self.family == "fa4":
+            out, _ = self._kernels[0](q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                      max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_q,
+                                      softmax_scale=scale, causal=True)
+            return out
+        return self._kernels[0](q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_q,
+                                softmax_scale=scale, causal=True)

@@ -1,0 +1,87 @@
+"""The engine on CUDA: CUDA-graph decode equals eager decode, and greedy tokens match HF at bf16 tolerance."""
+import random
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from tests.conftest import assert_greedy_matches_hf
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b(tmp_path_factory) -> str:
+    return str(make_random_checkpoint(tmp_path_factory.mktemp("qwen3-0.6b"), "qwen3-0.6b"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_small(tmp_path_factory) -> str:
+    """Qwen3-0.6B's widths with 4 layers: bf16 error stays small enough for a teacher-forced check."""
+    return str(make_random_checkpoint(tmp_path_factory.mktemp("qwen3-4l"), "qwen3-0.6b", num_hidden_layers=4))
+
+
+def prompts(n: int, seed: int = 0, lo: int = 20, hi: int = 600) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 10000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_auto_backend_is_flash_attn_when_it_imports(qwen3_small):
+    pytest.importorskip("flash_attn")
+    llm = LLM(qwen3_small, enforce_eager=True, max_model_len=1024)
+    assert llm.model_runner.backend.name == "flash-attn"
+    assert llm.config.dtype == "bfloat16"
+
+
+def test_cuda_graph_decode_equals_eager(qwen3_06b):
+    # 16 sequences finish together, so every decode batch is exactly a captured size: same kernels, same bits
+    batch = prompts(16)
+    eager = LLM(qwen3_06b, enforce_eager=True, max_model_len=2048)
+    expected = [o["token_ids"] for o in eager.generate(batch, greedy(48), use_tqdm=False)]
+    del eager
+    torch.cuda.empty_cache()
+    graphs = LLM(qwen3_06b, max_model_len=2048, max_num_seqs=20)
+    assert graphs.model_runner.graphs, "no CUDA graphs were captured"
+    assert graphs.model_runner.graph_batch_sizes == [1, 2, 4, 8, 16, 20]
+    # a long batch first leaves long block tables behind; the next replay must not read them
+    graphs.generate(prompts(20, seed=1, lo=1500, hi=2000), greedy(8), use_tqdm=False)
+    got = [o["token_ids"] for o in graphs.generate(batch, greedy(48), use_tqdm=False)]
+    assert got == expected
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_engine_matches_hf_bf16(qwen3_small, block_size):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_small, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    llm = LLM(qwen3_small, kvcache_block_size=block_size, max_model_len=2048)
+    batch = prompts(12, seed=2)
+    shared = prompts(1, seed=3, lo=300, hi=300)[0]
+    batch += [shared + [5, 6, 7], shared + [8] * 40]  # prefix-cache hits on the second call, at any block size
+    llm.generate(batch, greedy(4), use_tqdm=False)
+    outputs = llm.generate(batch, greedy(24), use_tqdm=False)
+    assert outputs[-1]["num_cached_tokens"] > 0
+    for prompt, out in zip(batch, outputs):
+        assert_greedy_matches_hf(_CudaWrapper(hf), prompt, out["token_ids"], atol=0.15)
+
+
+class _CudaWrapper:
+    """Feeds the CPU-built ids of assert_greedy_matches_hf to a CUDA model and returns CPU logits."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, ids):
+        with torch.no_grad():
+            out = self.model(ids.cuda())
+        out.logits = out.logits.float().cpu()
+        return out
+
+
+def test_kv_cache_too_small_is_a_clear_error(qwen3_small):
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(qwen3_small, gpu_memory_utilization=0.0015, max_model_len=40960)
