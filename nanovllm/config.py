@@ -23,6 +23,7 @@ class Config:
     dtype: str = "auto"  # "auto" | "float32" | "float16" | "bfloat16"
     attention_backend: str = "auto"
     seed: int = 0
+    dist_port: int = 0  # rendezvous port of the tensor-parallel ranks; 0 picks a free one at start
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     eos_token_ids: tuple[int, ...] = ()  # filled in by the engine from the tokenizer and generation_config
 
@@ -36,6 +37,7 @@ class Config:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=8)
         _check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=-1)
         _check_int("seed", self.seed, minimum=0)
+        _check_int("dist_port", self.dist_port, minimum=0, maximum=65535)
         if self.num_kvcache_blocks == 0:
             raise ValueError("num_kvcache_blocks=0: use -1 to size the cache from memory, or a positive cap")
         if self.kvcache_block_size % 16:
@@ -55,6 +57,13 @@ class Config:
 
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        tp = self.tensor_parallel_size
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            value = getattr(self.hf_config, name, None)
+            if value is not None and value % tp:  # the vocabulary need not divide: it is padded
+                raise ValueError(f"the model's {name}={value} does not divide by tensor_parallel_size={tp}")
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} are visible")
         if self.dtype == "auto":
             self.dtype = checkpoint_dtype(self.hf_config) if self.device == "cuda" else "float32"
 

@@ -6,6 +6,7 @@ import uuid
 import weakref
 from time import perf_counter
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
@@ -27,7 +28,10 @@ class LLMEngine:
         config.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.config = config
         self.processes, self.events = [], []
-        dist_port = free_port() if config.tensor_parallel_size > 1 else 0
+        if config.tensor_parallel_size > 1 and dist.is_initialized():
+            raise RuntimeError("another engine with tensor_parallel_size > 1 is running in this process; "
+                               "close() it first (engines in separate processes can run at once)")
+        dist_port = config.dist_port or (free_port() if config.tensor_parallel_size > 1 else 0)
         shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         ctx = mp.get_context("spawn")
         for rank in range(1, config.tensor_parallel_size):
@@ -36,14 +40,36 @@ class LLMEngine:
             process.start()
             self.processes.append(process)
             self.events.append(event)
-        self.model_runner = ModelRunner(config, 0, self.events, dist_port, shm_name)
+        try:
+            self.model_runner = ModelRunner(config, 0, self.events, dist_port, shm_name)
+        except BaseException:
+            stop_workers(self.processes)
+            raise
         self.scheduler = Scheduler(config)
-        # runs once: on exit(), when the engine is garbage-collected, or at interpreter exit; it holds the runner
-        # but not the engine, so a dropped engine frees its GPU memory
+        # runs once: on close(), when the engine is garbage-collected, or at interpreter exit; it holds the
+        # runner but not the engine, so a dropped engine frees its memory and workers
         self._finalizer = weakref.finalize(self, shutdown, self.model_runner, self.processes)
 
-    def exit(self):
+    def close(self):
+        """Stop the workers and free the KV cache and shared memory; safe to call more than once."""
         self._finalizer()
+
+    exit = close  # nano-vllm's name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def check_workers(self):
+        """Raise at once, instead of hanging in a collective, when a worker process has died."""
+        if not self._finalizer.alive:
+            raise RuntimeError("the engine is closed")
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
+                                   f"{process.exitcode}; close this engine and start a new one")
 
     # ---- requests ----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -77,6 +103,7 @@ class LLMEngine:
 
     def step(self) -> tuple[list[Sequence], int, int]:
         """One step; returns the sequences it finished and how many prefill and decode tokens it computed."""
+        self.check_workers()
         seqs = self.scheduler.schedule()
         if not seqs:
             return [], 0, 0
@@ -154,9 +181,22 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
 
 
 def shutdown(model_runner: ModelRunner, processes: list):
-    model_runner.call("exit")
+    workers_alive = all(process.is_alive() for process in processes)
+    try:
+        if workers_alive:
+            model_runner.call("exit")
+        else:  # no collective can complete: tear down this rank alone
+            model_runner.exit(workers_alive=False)
+    finally:
+        stop_workers(processes)
+
+
+def stop_workers(processes: list, timeout: float = 10.0):
     for process in processes:
-        process.join()
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def free_port() -> int:

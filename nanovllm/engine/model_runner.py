@@ -5,6 +5,7 @@ shared-memory buffer, wakes every worker with its Event, then runs the same meth
 `loop()` until they are told to exit.
 """
 import logging
+import multiprocessing as mp
 import os
 import pickle
 from contextlib import contextmanager
@@ -85,7 +86,7 @@ class ModelRunner:
                 dist.barrier()
             else:
                 dist.barrier()
-                self.shm = SharedMemory(name=shm_name)
+                self._attach_shm(shm_name)
                 self.loop()
 
     def _backend_name(self) -> str:
@@ -111,14 +112,15 @@ class ModelRunner:
                 module.forward = torch.compile(module.forward, dynamic=True)
 
     # ---- tensor-parallel plumbing -------------------------------------------------------------------
-    def exit(self):
+    def exit(self, workers_alive: bool = True):
         if self.shm is not None:
             self.shm.close()
             if self.rank == 0:
                 self.shm.unlink()
             self.shm = None
         if dist.is_initialized():
-            dist.barrier()
+            if workers_alive:
+                dist.barrier()
             dist.destroy_process_group()
         # give the GPU memory back now: compiled forwards make reference cycles that only a gc would break
         for layer in self.attn_layers:
@@ -137,21 +139,45 @@ class ModelRunner:
                 break
 
     def read_shm(self):
-        self.event.wait()
-        n = int.from_bytes(self.shm.buf[0:4], "little")
-        method_name, *args = pickle.loads(self.shm.buf[4:n + 4])
+        while not self.event.wait(1.0):
+            if not mp.parent_process().is_alive():  # rank 0 is gone: nobody will ever call again
+                raise SystemExit(1)
+        n = int.from_bytes(self.shm.buf[0:8], "little")
+        method_name, *args = pickle.loads(self.shm.buf[8:n + 8])
         self.event.clear()
         return method_name, args
 
     def write_shm(self, method_name: str, *args):
         data = pickle.dumps([method_name, *args])
-        if len(data) + 4 > self.shm.size:
-            raise RuntimeError(f"a {method_name!r} call pickles to {len(data)} bytes, over the "
-                               f"{self.shm.size}-byte shared-memory buffer")
-        self.shm.buf[0:4] = len(data).to_bytes(4, "little")
-        self.shm.buf[4:len(data) + 4] = data
+        if len(data) + 8 > self.shm.size:
+            self._grow_shm(len(data) + 8)
+        self._post(data)
+
+    def _post(self, data: bytes):
+        self.shm.buf[0:8] = len(data).to_bytes(8, "little")
+        self.shm.buf[8:len(data) + 8] = data
         for event in self.event:
             event.set()
+
+    def _grow_shm(self, size: int):
+        """Move to a buffer at least twice as big: the workers attach to it before the old one goes."""
+        old = self.shm
+        self.shm = SharedMemory(name=f"{old.name.lstrip('/')}-{size}", create=True,
+                                size=max(size, 2 * old.size))
+        self.shm, new = old, self.shm
+        self._post(pickle.dumps(["_attach_shm", new.name]))
+        dist.barrier()  # every worker has attached to the new buffer and let go of the old one
+        old.close()
+        old.unlink()
+        self.shm = new
+
+    def _attach_shm(self, name: str):
+        """A worker's side of a new buffer (rank 0 owns and unlinks every buffer)."""
+        # the spawned workers share rank 0's resource tracker, which unlinks the segment if rank 0 dies
+        old, self.shm = self.shm, SharedMemory(name=name)
+        if old is not None:
+            old.close()
+            dist.barrier()
 
     def call(self, method_name: str, *args):
         if self.world_size > 1 and self.rank == 0:

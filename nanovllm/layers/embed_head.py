@@ -1,10 +1,13 @@
-"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary.
+
+A vocabulary that does not divide by the tensor-parallel size is padded up to one that does; the padding
+rows are zero, never looked up, and cut off the logits, so they are never sampled.
+"""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import divide
 from nanovllm.utils.parallel import tp_rank, tp_size
 
 
@@ -13,16 +16,17 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size, "vocab_size")
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
         self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
-        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
+        self.weight = nn.Parameter(torch.zeros(self.num_embeddings_per_partition, embedding_dim),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
-        size = param.size(0)
-        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+        rows = max(min(self.vocab_end_idx, self.num_embeddings) - self.vocab_start_idx, 0)
+        param.data[:rows].copy_(loaded_weight.narrow(0, self.vocab_start_idx, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -42,4 +46,4 @@ class ParallelLMHead(VocabParallelEmbedding):
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(logits, parts, 0)
-        return torch.cat(parts, -1) if self.tp_rank == 0 else None
+        return torch.cat(parts, -1)[:, :self.num_embeddings] if self.tp_rank == 0 else None

@@ -1,0 +1,112 @@
+"""Tensor parallelism on CPU (gloo): TP=2 equals TP=1 and HF; engines, workers and shared memory are cleaned up."""
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+import nanovllm.engine.model_runner as model_runner
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from tests.conftest import assert_greedy_matches_hf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[7] * 3, list(range(3, 60)), list(range(100, 230)), list(range(3, 60)) + [9, 9]]
+
+
+def our_shm_segments() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"nanovllm-{os.getpid()}-")]
+
+
+def generate_twice(llm: LLM) -> list[dict]:
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # the second call hits the prefix cache
+
+
+def test_tp2_equals_tp1_and_hf(tiny_model, hf_model):
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        expected = generate_twice(llm)
+    with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2, max_num_batched_tokens=64) as llm:
+        assert len(llm.processes) == 1 and our_shm_segments()
+        got = generate_twice(llm)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in expected]
+    assert [o["num_cached_tokens"] for o in got] == [0, 48, 128, 48]
+    for prompt, out in zip(PROMPTS, got):
+        assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
+    assert our_shm_segments() == []
+
+
+def test_vocabulary_that_does_not_divide_is_padded(tmp_path):
+    from transformers import AutoModelForCausalLM
+    path = make_random_checkpoint(tmp_path / "odd-vocab", "tiny", vocab_size=511, tie_word_embeddings=False)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    with LLM(str(path), kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True),
+                               use_tqdm=False)
+        assert all(t < 511 for o in outputs for t in o["token_ids"])  # the padding row is never sampled
+        greedy = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, greedy):
+        assert_greedy_matches_hf(hf, prompt, out["token_ids"])
+
+
+def test_heads_that_do_not_divide_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="num_key_value_heads=2 does not divide by tensor_parallel_size=4"):
+        LLM(tiny_model, tensor_parallel_size=4)
+
+
+def test_message_buffer_grows(tiny_model, monkeypatch):
+    monkeypatch.setattr(model_runner, "SHM_SIZE", 256)
+    with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert llm.model_runner.shm.size > 256
+        assert len(our_shm_segments()) == 1  # the outgrown buffers are gone
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
+            [o["token_ids"] for o in out]
+    assert our_shm_segments() == []
+
+
+def test_killed_worker_is_an_error_not_a_hang(tiny_model):
+    llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    worker = llm.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1 .* died"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 5
+    llm.close()
+    assert our_shm_segments() == []
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+def test_second_tp_engine_in_one_process_is_refused(tiny_model):
+    with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2):
+        with pytest.raises(RuntimeError, match="another engine"):
+            LLM(tiny_model, tensor_parallel_size=2)
+    with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2) as llm:  # fine once the first is closed
+        assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
+
+
+def _engine_in_a_process(model: str, queue):
+    with LLM(model, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        queue.put([o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
+
+
+def test_two_engines_at_once_on_one_host(tiny_model):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_engine_in_a_process, args=(tiny_model, queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        expected = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert results == [expected, expected]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("nanovllm-")]
