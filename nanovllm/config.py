@@ -17,6 +17,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    prefill_first: bool = False  # True: nano-vllm's steps (all prefill or all decode); False: mixed steps
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: size from memory; a positive value caps the cache
     device: str = "auto"  # "auto" | "cuda" | "cpu"
@@ -44,8 +45,9 @@ class Config:
             raise ValueError(f"kvcache_block_size={self.kvcache_block_size} must be a positive multiple of 16")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
-        if not isinstance(self.enforce_eager, bool):
-            raise TypeError(f"enforce_eager={self.enforce_eager!r} must be a bool")
+        for name in ("enforce_eager", "prefill_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device={self.device!r} must be one of 'auto', 'cuda', 'cpu'")
         if self.device == "auto":

@@ -63,7 +63,7 @@ def test_bad_sampling_params(kwargs, error):
     ([[5, 6.0]], GREEDY, TypeError, "list of ints"),
     ([3.5], GREEDY, TypeError, "str or a list of token ids"),
     (["a", "b"], [GREEDY] * 3, ValueError, "4 sampling params were given for 3 prompts"),
-    (["a"], [None], TypeError, "must be SamplingParams"),
+    (["a"], [{"temperature": 0}], TypeError, "must be SamplingParams, not dict"),
 ])
 def test_bad_requests_leave_engine_usable(llm, prompts, params, error, match):
     with pytest.raises(error, match=match):

@@ -9,8 +9,8 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 EOS = 1
 
 
-def make_scheduler(tiny_model, **kwargs) -> Scheduler:
-    config = Config(tiny_model, kvcache_block_size=16, **kwargs)
+def make_scheduler(tiny_model, prefill_first=True, **kwargs) -> Scheduler:
+    config = Config(tiny_model, kvcache_block_size=16, prefill_first=prefill_first, **kwargs)
     config.eos_token_ids = (EOS,)
     return Scheduler(config)
 
@@ -43,6 +43,33 @@ def test_prefill_runs_before_decode(tiny_model):
     s.add(b)
     assert step(s)[0] == {b.seq_id: 4}  # nano-vllm's policy: waiting prompts first, decodes stall
     assert step(s)[0] == {a.seq_id: 1, b.seq_id: 1}
+
+
+def test_mixed_step_decodes_while_prompts_prefill(tiny_model):
+    s = make_scheduler(tiny_model, prefill_first=False, max_num_batched_tokens=32, num_kvcache_blocks=64)
+    a = Sequence([9] * 4)
+    s.add(a)
+    assert step(s)[0] == {a.seq_id: 4}
+    b, c = Sequence([9] * 40), Sequence([8] * 10)
+    s.add(b)
+    s.add(c)
+    assert step(s)[0] == {a.seq_id: 1, b.seq_id: 31}  # a decodes, b fills the rest of the budget
+    assert step(s)[0] == {a.seq_id: 1, b.seq_id: 9, c.seq_id: 10}  # b's last chunk, then c in one step
+    assert step(s)[0] == {a.seq_id: 1, b.seq_id: 1, c.seq_id: 1}
+    assert a.num_completion_tokens == 4 and b.num_completion_tokens == 2 and c.num_completion_tokens == 2
+
+
+def test_mixed_preemption_when_blocks_run_out(tiny_model):
+    s = make_scheduler(tiny_model, prefill_first=False, num_kvcache_blocks=2, max_model_len=32)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    a, b = Sequence([9] * 16, params), Sequence([8] * 16, params)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert step(s)[0] == {a.seq_id: 1} and b.status == SequenceStatus.WAITING and s.num_preemptions == 1
+    while not a.is_finished:
+        step(s)
+    assert step(s)[0] == {b.seq_id: 17}
 
 
 def test_max_num_seqs_limits_running(tiny_model):

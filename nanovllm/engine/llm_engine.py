@@ -1,7 +1,9 @@
 """The user-facing loop: prompts in, one output dict per prompt out, in prompt order."""
+import asyncio
 import json
 import os
 import socket
+import threading
 import uuid
 import weakref
 from time import perf_counter
@@ -14,7 +16,8 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.request import IncrementalDetokenizer, RequestHandle
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -46,9 +49,13 @@ class LLMEngine:
             stop_workers(self.processes)
             raise
         self.scheduler = Scheduler(config)
+        self._handles: dict[int, RequestHandle] = {}
+        self._throughput: dict[str, str] = {}
+        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads
+        self._loop = EngineLoop()
         # runs once: on close(), when the engine is garbage-collected, or at interpreter exit; it holds the
         # runner but not the engine, so a dropped engine frees its memory and workers
-        self._finalizer = weakref.finalize(self, shutdown, self.model_runner, self.processes)
+        self._finalizer = weakref.finalize(self, shutdown, self._loop, self.model_runner, self.processes)
 
     def close(self):
         """Stop the workers and free the KV cache and shared memory; safe to call more than once."""
@@ -93,13 +100,84 @@ class LLMEngine:
                              f"{self.config.max_model_len}")
         return token_ids
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
-        seq = Sequence(self.encode(prompt), sampling_params)
-        self.scheduler.add(seq)
-        return seq
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> RequestHandle:
+        return self.submit(prompt, sampling_params)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
+
+    def stats(self) -> dict:
+        bm = self.scheduler.block_manager
+        return {"num_free_blocks": bm.num_free_blocks, "num_total_blocks": len(bm.blocks),
+                "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+                "num_preemptions": self.scheduler.num_preemptions}
+
+    # ---- the online API -----------------------------------------------------------------------------
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestHandle:
+        """Queue a request from any thread, at any time; returns its handle at once."""
+        return self._submit([self.encode(prompt)], [self._check_params(sampling_params)], stream=True)[0]
+
+    async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None):
+        """`async for increment in llm.stream(prompt, params)`: the increments of one request."""
+        loop, increments = asyncio.get_running_loop(), asyncio.Queue()
+        handle = self._submit([self.encode(prompt)], [self._check_params(sampling_params)], stream=True,
+                              listener=(loop, increments))[0]
+        try:
+            while True:
+                item = await increments.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item["finished"]:
+                    return
+        finally:
+            if not handle.finished:
+                handle.abort()
+
+    def _submit(self, token_ids: list[list[int]], params: list[SamplingParams], stream: bool,
+                listener=None) -> list[RequestHandle]:
+        self.check_workers()
+        handles = []
+        for ids, p in zip(token_ids, params):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, self._tokenizer_lock) if stream else None
+            handle = RequestHandle(self, Sequence(ids, p), detokenizer)
+            if listener is not None:
+                handle._listeners.append(listener)
+            handles.append(handle)
+        with self._loop.cond:
+            self._loop.inbox.extend(("add", h) for h in handles)
+            self._loop.start(self)
+            self._loop.cond.notify()
+        return handles
+
+    def _abort(self, handle: RequestHandle):
+        with self._loop.cond:
+            self._loop.inbox.append(("abort", handle))
+            self._loop.cond.notify()
+
+    def _run_once(self) -> bool:
+        """The loop thread's work: take new requests and aborts, then one step; False when idle."""
+        with self._loop.cond:
+            inbox, self._loop.inbox = self._loop.inbox, []
+        for kind, handle in inbox:
+            if kind == "add":
+                self._handles[handle.request_id] = handle
+                self.scheduler.add(handle.seq)
+            elif self._handles.pop(handle.request_id, None) is not None:
+                seq = handle.seq
+                self.scheduler.abort(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                handle._on_finish(self._output(seq), [])
+        if self.scheduler.is_finished():
+            return False
+        try:
+            self.step()
+        except BaseException as error:  # fail every request in flight and leave the scheduler empty
+            for handle in self._handles.values():
+                self.scheduler.abort(handle.seq)
+                handle._on_error(error)
+            self._handles.clear()
+        return True
 
     def step(self) -> tuple[list[Sequence], int, int]:
         """One step; returns the sequences it finished and how many prefill and decode tokens it computed."""
@@ -109,54 +187,61 @@ class LLMEngine:
             return [], 0, 0
         num_decode = sum(seq.num_scheduled_tokens == 1 for seq in seqs)
         num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
+        sampled = [seq for seq in seqs if seq.samples_this_step]
+        t = perf_counter()
         token_ids = self.model_runner.call("run", seqs)
-        return self.scheduler.postprocess(seqs, token_ids), num_prefill, num_decode
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        elapsed = perf_counter() - t
+        if num_prefill:
+            self._throughput["Prefill"] = f"{int(num_prefill / elapsed)}tok/s"
+        elif num_decode:
+            self._throughput["Decode"] = f"{int(num_decode / elapsed)}tok/s"
+        for seq in sampled:
+            handle = self._handles.get(seq.seq_id)
+            if handle is not None:
+                handle._on_token(seq.last_token)
+        for seq in finished:
+            handle = self._handles.pop(seq.seq_id, None)
+            if handle is not None:
+                handle._on_finish(self._output(seq), [seq.last_token])
+        return finished, num_prefill, num_decode
 
+    # ---- offline batches ----------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt] | str,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
         if isinstance(prompts, str):
             prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         elif len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params were given for {len(prompts)} prompts; "
                              "give one, or one per prompt")
-        for params in sampling_params:
-            if not isinstance(params, SamplingParams):
-                raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        params = [self._check_params(p) for p in sampling_params]
         token_ids = [self.encode(prompt) for prompt in prompts]  # every prompt is checked before any runs
-        seqs = []
+        handles = self._submit(token_ids, params, stream=False)
         try:
-            for ids, params in zip(token_ids, sampling_params):
-                seq = Sequence(ids, params)
-                self.scheduler.add(seq)
-                seqs.append(seq)
-            self._run_until_done(seqs, use_tqdm)
+            with tqdm(total=len(handles), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
+                for handle in handles:
+                    while not handle._done.wait(0.1):
+                        pbar.set_postfix(self._throughput)
+                        pbar.n = sum(h.finished for h in handles)
+                        pbar.refresh()
+                pbar.n = len(handles)
+            return [handle.result() for handle in handles]
         except BaseException:
-            for seq in seqs:  # leave the engine clean for the next call
-                self.scheduler.abort(seq)
+            for handle in handles:  # leave the engine clean for the next call
+                if not handle.finished:
+                    handle.abort()
             raise
-        return [self._output(seq) for seq in seqs]
 
-    def _run_until_done(self, seqs: list[Sequence], use_tqdm: bool):
-        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_throughput = decode_throughput = 0.0
-        num_left = len(seqs)
-        while num_left:
-            t = perf_counter()
-            finished, num_prefill, num_decode = self.step()
-            elapsed = perf_counter() - t
-            if num_prefill:
-                prefill_throughput = num_prefill / elapsed
-            elif num_decode:
-                decode_throughput = num_decode / elapsed
-            pbar.set_postfix(Prefill=f"{int(prefill_throughput)}tok/s", Decode=f"{int(decode_throughput)}tok/s")
-            pbar.update(len(finished))
-            num_left -= len(finished)
-        pbar.close()
+    @staticmethod
+    def _check_params(params) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        return params
 
     def _output(self, seq: Sequence) -> dict:
         token_ids = seq.completion_token_ids
@@ -180,7 +265,46 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def shutdown(model_runner: ModelRunner, processes: list):
+class EngineLoop:
+    """The background thread that runs steps while there is work and sleeps when there is none.
+
+    It holds the engine only weakly between iterations, so a dropped engine can still be collected.
+    """
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.inbox: list[tuple[str, RequestHandle]] = []
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+
+    def start(self, engine: "LLMEngine"):
+        if self.thread is None:  # called under self.cond
+            self.thread = threading.Thread(target=self._run, args=(weakref.ref(engine),), daemon=True,
+                                           name="nanovllm-engine-loop")
+            self.thread.start()
+
+    def _run(self, engine_ref):
+        while True:
+            engine = engine_ref()
+            if engine is None or self.stopping:
+                return
+            busy = engine._run_once()
+            del engine
+            if not busy:
+                with self.cond:
+                    if not self.inbox and not self.stopping:
+                        self.cond.wait(timeout=1.0)
+
+    def stop(self):
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+def shutdown(loop: EngineLoop, model_runner: ModelRunner, processes: list):
+    loop.stop()
     workers_alive = all(process.is_alive() for process in processes)
     try:
         if workers_alive:

@@ -1,9 +1,11 @@
 """Which sequences run in the next step, and how many tokens each computes.
 
 One model of work: a running sequence has `num_tokens - num_computed_tokens` tokens left to compute; a
-decode has one left, a prefill more. nano-vllm's policy: a step prefills while prompts wait (the last prompt
-of a step is chunked when it exceeds the token budget), else it decodes every running sequence. When decode
-runs out of KV blocks, the newest running sequence is preempted and recomputed later.
+decode has one left, a prefill more. Two policies share it:
+- mixed (default, as vLLM): every step gives running sequences their tokens first (decodes, and the rest of a
+  chunked prompt), then admits waiting prompts into what is left of the token budget, chunking the last one;
+- prefill-first (nano-vllm's, `prefill_first=True`): a step prefills while prompts wait, else it decodes.
+When KV blocks run out, the newest running sequence is preempted and recomputed later.
 """
 from collections import deque
 
@@ -18,6 +20,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.prefill_first = config.prefill_first
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
         self.waiting: deque[Sequence] = deque()
@@ -41,8 +44,12 @@ class Scheduler:
 
     def schedule(self) -> list[Sequence]:
         """Pick this step's sequences and set `num_scheduled_tokens` on each."""
-        scheduled = self._schedule_prefill()
-        return scheduled if scheduled else self._schedule_decode()
+        if self.prefill_first:
+            scheduled = self._schedule_prefill()
+            return scheduled if scheduled else self._schedule_decode()
+        scheduled = self._schedule_running(self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in scheduled)
+        return scheduled + self._admit_waiting(budget)
 
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled, budget = [], self.max_num_batched_tokens
@@ -50,6 +57,10 @@ class Scheduler:
             if budget and seq.num_tokens - seq.num_computed_tokens > 1:
                 budget -= self._take(seq, budget)
                 scheduled.append(seq)
+        return scheduled + self._admit_waiting(budget)
+
+    def _admit_waiting(self, budget: int) -> list[Sequence]:
+        scheduled = []
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.allocate(seq):
@@ -61,24 +72,30 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
+    def _schedule_running(self, budget: int) -> list[Sequence]:
+        """Running sequences in order, each with what it has left (capped by the budget)."""
+        scheduled = []
+        while len(scheduled) < len(self.running) and budget:
+            seq = self.running[len(scheduled)]
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    return scheduled
+            self.block_manager.append_slots(seq, num_tokens)
+            seq.num_scheduled_tokens = num_tokens
+            budget -= num_tokens
+            scheduled.append(seq)
+        return scheduled
+
     @staticmethod
     def _take(seq: Sequence, budget: int) -> int:
         seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
         return seq.num_scheduled_tokens
 
     def _schedule_decode(self) -> list[Sequence]:
-        scheduled = []
-        while len(scheduled) < len(self.running):
-            seq = self.running[len(scheduled)]
-            while not self.block_manager.can_append(seq):
-                victim = self.running.pop()
-                self._preempt(victim)
-                if victim is seq:
-                    return scheduled
-            self.block_manager.append_slots(seq)
-            seq.num_scheduled_tokens = 1
-            scheduled.append(seq)
-        return scheduled
+        return self._schedule_running(len(self.running))  # every running sequence has one token left
 
     def _preempt(self, seq: Sequence):
         self.num_preemptions += 1
