@@ -27,6 +27,7 @@ def main():
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--prefill-first", action="store_true", help="nano-vllm's steps instead of mixed ones")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--engine", choices=["nanovllm", "hf"], default="nanovllm")
     parser.add_argument("--hf-output-len", type=int, default=512, help="fixed output length for --engine hf")
@@ -44,14 +45,15 @@ def main():
         total_tokens, elapsed = run_hf(path, prompt_token_ids, args.hf_output_len, args.hf_batch_size)
     else:
         llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-                  tensor_parallel_size=args.tp)
+                  tensor_parallel_size=args.tp, prefill_first=args.prefill_first)
         sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
         t = time.perf_counter()
         outputs = llm.generate(prompt_token_ids, sampling_params, use_tqdm=False)
         elapsed = time.perf_counter() - t
         total_tokens = sum(len(o["token_ids"]) for o in outputs)
-    print(f"Engine: {args.engine}{' (eager)' if args.enforce_eager else ''}, Total: {total_tokens}tok, "
+    flags = "".join(f" ({f})" for f, on in (("eager", args.enforce_eager), ("prefill-first", args.prefill_first)) if on)
+    print(f"Engine: {args.engine}{flags}, Total: {total_tokens}tok, "
           f"Time: {elapsed:.2f}s, Throughput: {total_tokens / elapsed:.2f}tok/s")
 
 

@@ -76,6 +76,8 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_vars = None
         self.allocate_kv_cache()
+        if config.device == "cuda":
+            self.warmup_kernels()
         if config.device == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             self.capture_cudagraphs()
 
@@ -236,6 +238,18 @@ class ModelRunner:
             seq.num_scheduled_tokens = seq.num_tokens
         self.run(seqs)
         torch.cuda.empty_cache()
+
+    def warmup_kernels(self):
+        """Run a mixed step (a decode beside a prefill after a cached prefix) and a prefix prefill once, so
+        kernels that compile on first use (flash-attn-4, torch.compile) do it here rather than mid-serving."""
+        context_len = min(2 * self.block_size, self.config.num_kvcache_blocks * self.block_size)
+        decode, prefill = Sequence([0] * context_len), Sequence([0] * context_len)
+        for seq, num_computed in ((decode, context_len - 1), (prefill, context_len // 2)):
+            seq.block_table = list(range(-(-context_len // self.block_size)))  # the cache holds nothing yet
+            seq.num_computed_tokens = num_computed
+            seq.num_scheduled_tokens = context_len - num_computed
+        self.run([decode, prefill])
+        self.run([prefill])
 
     # ---- a step -------------------------------------------------------------------------------------
     def prepare(self, seqs: list[Sequence]):

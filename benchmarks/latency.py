@@ -1,0 +1,76 @@
+"""Latency under Poisson arrivals, mixed steps vs nano-vllm's prefill-first steps.
+
+Requests arrive at `--rate` per second (exponential gaps, seed 0) with prompt lengths uniform in 100..1024 and
+output lengths uniform in 100..`--max-output-len`; each is streamed with `LLM.stream`. Reports time to first
+token (TTFT) and inter-token latency (ITL), p50 and p99, for each policy.
+
+    python benchmarks/latency.py [--model PATH] [--num-requests 200] [--rate 20]
+"""
+import argparse
+import asyncio
+import random
+import statistics
+import time
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import default_checkpoint
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+async def one_request(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, list[float]]:
+    start = time.perf_counter()
+    times = [time.perf_counter() async for _ in llm.stream(prompt, params)]
+    return times[0] - start, [b - a for a, b in zip(times, times[1:])]
+
+
+async def drive(llm: LLM, requests, rate: float, seed: int):
+    rng = random.Random(seed)
+    tasks = []
+    for prompt, params in requests:
+        tasks.append(asyncio.create_task(one_request(llm, prompt, params)))
+        await asyncio.sleep(rng.expovariate(rate))
+    return await asyncio.gather(*tasks)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=20.0, help="requests per second")
+    parser.add_argument("--max-output-len", type=int, default=512)
+    args = parser.parse_args()
+    path = args.model or str(default_checkpoint("qwen3-0.6b" if torch.cuda.is_available() else "tiny"))
+
+    rng = random.Random(0)
+    vocab = 512 if "tiny" in path else 10000
+    requests = [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))],
+                 SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, args.max_output_len)))
+                for _ in range(args.num_requests)]
+    rows = []
+    for prefill_first in (False, True):
+        with LLM(path, prefill_first=prefill_first) as llm:
+            # a short burst first: every kind of step has run (and compiled) before the clock starts
+            warmup = [(prompt, SamplingParams(max_tokens=8, ignore_eos=True)) for prompt, _ in requests[:16]]
+            asyncio.run(drive(llm, warmup, 4 * args.rate, seed=1))
+            t = time.perf_counter()
+            results = asyncio.run(drive(llm, requests, args.rate, seed=0))
+            elapsed = time.perf_counter() - t
+        ttft = [r[0] for r in results]
+        itl = [gap for r in results for gap in r[1]]
+        tokens = sum(len(r[1]) + 1 for r in results)
+        rows.append((("prefill-first" if prefill_first else "mixed"), percentile(ttft, 50), percentile(ttft, 99),
+                     percentile(itl, 50), percentile(itl, 99), tokens / elapsed))
+    print(f"{args.num_requests} requests at {args.rate}/s")
+    print("| steps | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | output tok/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, t50, t99, i50, i99, tps in rows:
+        print(f"| {name} | {t50 * 1e3:.0f} ms | {t99 * 1e3:.0f} ms | {i50 * 1e3:.1f} ms | {i99 * 1e3:.1f} ms | {tps:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
