@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.request import IncrementalDetokenizer, RequestHandle
+from nanovllm.engine.request import EngineLoop, IncrementalDetokenizer, RequestHandle
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
@@ -28,6 +28,7 @@ class LLMEngine:
     def __init__(self, model: str, **engine_args):
         config = Config.from_kwargs(model, **engine_args)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads
         config.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.config = config
         self.processes, self.events = [], []
@@ -51,7 +52,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config)
         self._handles: dict[int, RequestHandle] = {}
         self._throughput: dict[str, str] = {}
-        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads
         self._loop = EngineLoop()
         # runs once: on close(), when the engine is garbage-collected, or at interpreter exit; it holds the
         # runner but not the engine, so a dropped engine frees its memory and workers
@@ -82,7 +82,8 @@ class LLMEngine:
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, checked against the vocabulary and max_model_len."""
         if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
+            with self._tokenizer_lock:
+                token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
@@ -245,8 +246,10 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> dict:
         token_ids = seq.completion_token_ids
+        with self._tokenizer_lock:
+            text = self.tokenizer.decode(token_ids)
         return {
-            "text": self.tokenizer.decode(token_ids),
+            "text": text,
             "token_ids": token_ids,
             "finish_reason": seq.finish_reason,
             "num_cached_tokens": max(seq.num_cached_tokens, 0),
@@ -263,44 +266,6 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
         if extra is not None:
             ids.update([extra] if isinstance(extra, int) else extra)
     return tuple(sorted(ids))
-
-
-class EngineLoop:
-    """The background thread that runs steps while there is work and sleeps when there is none.
-
-    It holds the engine only weakly between iterations, so a dropped engine can still be collected.
-    """
-
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.inbox: list[tuple[str, RequestHandle]] = []
-        self.thread: threading.Thread | None = None
-        self.stopping = False
-
-    def start(self, engine: "LLMEngine"):
-        if self.thread is None:  # called under self.cond
-            self.thread = threading.Thread(target=self._run, args=(weakref.ref(engine),), daemon=True,
-                                           name="nanovllm-engine-loop")
-            self.thread.start()
-
-    def _run(self, engine_ref):
-        while True:
-            engine = engine_ref()
-            if engine is None or self.stopping:
-                return
-            busy = engine._run_once()
-            del engine
-            if not busy:
-                with self.cond:
-                    if not self.inbox and not self.stopping:
-                        self.cond.wait(timeout=1.0)
-
-    def stop(self):
-        with self.cond:
-            self.stopping = True
-            self.cond.notify()
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join()
 
 
 def shutdown(loop: EngineLoop, model_runner: ModelRunner, processes: list):

@@ -1,4 +1,4 @@
-"""The online API's request handle, and incremental detokenization for streams.
+"""The online API: the engine's loop thread, request handles, and incremental detokenization for streams.
 
 A handle is filled by the engine's loop thread and read by any thread (iteration, `result()`) or by asyncio
 (`LLM.stream`). The loop never waits for a reader: each handle has its own unbounded queue, so a slow consumer
@@ -7,6 +7,7 @@ of one stream does not stall the others.
 import asyncio
 import queue
 import threading
+import weakref
 
 from nanovllm.engine.sequence import Sequence
 
@@ -116,3 +117,41 @@ class RequestHandle:
         self._error = error
         self._put(error)
         self._done.set()
+
+
+class EngineLoop:
+    """The background thread that runs steps while there is work and sleeps when there is none.
+
+    It holds the engine only weakly between iterations, so a dropped engine can still be collected.
+    """
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.inbox: list[tuple[str, RequestHandle]] = []
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+
+    def start(self, engine):
+        if self.thread is None:  # called under self.cond
+            self.thread = threading.Thread(target=self._run, args=(weakref.ref(engine),), daemon=True,
+                                           name="nanovllm-engine-loop")
+            self.thread.start()
+
+    def _run(self, engine_ref):
+        while True:
+            engine = engine_ref()
+            if engine is None or self.stopping:
+                return
+            busy = engine._run_once()
+            del engine
+            if not busy:
+                with self.cond:
+                    if not self.inbox and not self.stopping:
+                        self.cond.wait(timeout=1.0)
+
+    def stop(self):
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
