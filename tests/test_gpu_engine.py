@@ -33,24 +33,22 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def test_auto_backend_is_flash_attn_when_it_imports(qwen3_small):
     pytest.importorskip("flash_attn")
-    llm = LLM(qwen3_small, enforce_eager=True, max_model_len=1024)
-    assert llm.model_runner.backend.name == "flash-attn"
-    assert llm.config.dtype == "bfloat16"
+    with LLM(qwen3_small, enforce_eager=True, max_model_len=1024) as llm:
+        assert llm.model_runner.backend.name == "flash-attn"
+        assert llm.config.dtype == "bfloat16"
 
 
 def test_cuda_graph_decode_equals_eager(qwen3_06b):
     # 16 sequences finish together, so every decode batch is exactly a captured size: same kernels, same bits
     batch = prompts(16)
-    eager = LLM(qwen3_06b, enforce_eager=True, max_model_len=2048)
-    expected = [o["token_ids"] for o in eager.generate(batch, greedy(48), use_tqdm=False)]
-    del eager
-    torch.cuda.empty_cache()
-    graphs = LLM(qwen3_06b, max_model_len=2048, max_num_seqs=20)
-    assert graphs.model_runner.graphs, "no CUDA graphs were captured"
-    assert graphs.model_runner.graph_batch_sizes == [1, 2, 4, 8, 16, 20]
-    # a long batch first leaves long block tables behind; the next replay must not read them
-    graphs.generate(prompts(20, seed=1, lo=1500, hi=2000), greedy(8), use_tqdm=False)
-    got = [o["token_ids"] for o in graphs.generate(batch, greedy(48), use_tqdm=False)]
+    with LLM(qwen3_06b, enforce_eager=True, max_model_len=2048) as eager:
+        expected = [o["token_ids"] for o in eager.generate(batch, greedy(48), use_tqdm=False)]
+    with LLM(qwen3_06b, max_model_len=2048, max_num_seqs=20) as graphs:
+        assert graphs.model_runner.graphs, "no CUDA graphs were captured"
+        assert graphs.model_runner.graph_batch_sizes == [1, 2, 4, 8, 16, 20]
+        # a long batch first leaves long block tables behind; the next replay must not read them
+        graphs.generate(prompts(20, seed=1, lo=1500, hi=2000), greedy(8), use_tqdm=False)
+        got = [o["token_ids"] for o in graphs.generate(batch, greedy(48), use_tqdm=False)]
     assert got == expected
 
 
@@ -58,12 +56,12 @@ def test_cuda_graph_decode_equals_eager(qwen3_06b):
 def test_engine_matches_hf_bf16(qwen3_small, block_size):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(qwen3_small, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
-    llm = LLM(qwen3_small, kvcache_block_size=block_size, max_model_len=2048)
     batch = prompts(12, seed=2)
     shared = prompts(1, seed=3, lo=300, hi=300)[0]
     batch += [shared + [5, 6, 7], shared + [8] * 40]  # prefix-cache hits on the second call, at any block size
-    llm.generate(batch, greedy(4), use_tqdm=False)
-    outputs = llm.generate(batch, greedy(24), use_tqdm=False)
+    with LLM(qwen3_small, kvcache_block_size=block_size, max_model_len=2048) as llm:
+        llm.generate(batch, greedy(4), use_tqdm=False)
+        outputs = llm.generate(batch, greedy(24), use_tqdm=False)
     assert outputs[-1]["num_cached_tokens"] > 0
     for prompt, out in zip(batch, outputs):
         assert_greedy_matches_hf(_CudaWrapper(hf), prompt, out["token_ids"], atol=0.15)

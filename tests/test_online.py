@@ -1,8 +1,10 @@
 """Continuous batching: mixed steps, requests submitted from threads while others stream, abort, asyncio."""
 import asyncio
+import gc
 import random
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -134,3 +136,16 @@ def test_close_stops_the_loop(tiny_model):
     assert not thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         llm.submit("hello")
+
+
+def test_dropped_engine_frees_its_cache_and_thread(tiny_model):
+    llm = LLM(tiny_model, kvcache_block_size=16)
+    llm.generate(["hello"], GREEDY, use_tqdm=False)
+    runner, thread, engine = llm.model_runner, llm._loop.thread, weakref.ref(llm)
+    del llm
+    deadline = time.monotonic() + 5
+    while (engine() is not None or thread.is_alive()) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert engine() is None and not thread.is_alive()
+    assert runner.kv_cache is None  # the finalizer ran: a dropped engine gives its memory back
