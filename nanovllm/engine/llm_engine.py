@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.request import EngineLoop, IncrementalDetokenizer, RequestHandle
+from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
@@ -140,8 +140,7 @@ class LLMEngine:
         self.check_workers()
         handles = []
         for ids, p in zip(token_ids, params):
-            detokenizer = IncrementalDetokenizer(self.tokenizer, self._tokenizer_lock) if stream else None
-            handle = RequestHandle(self, Sequence(ids, p), detokenizer)
+            handle = RequestHandle(self, Sequence(ids, p), stream)
             if listener is not None:
                 handle._listeners.append(listener)
             handles.append(handle)
@@ -168,7 +167,7 @@ class LLMEngine:
                 seq = handle.seq
                 self.scheduler.abort(seq)
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-                handle._on_finish(self._output(seq), [])
+                handle._on_finish([])
         if self.scheduler.is_finished():
             return False
         try:
@@ -190,8 +189,8 @@ class LLMEngine:
         num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
         sampled = [seq for seq in seqs if seq.samples_this_step]
         t = perf_counter()
-        token_ids = self.model_runner.call("run", seqs)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+        token_ids, logprobs = self.model_runner.call("run", seqs)
+        finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
         elapsed = perf_counter() - t
         if num_prefill:
             self._throughput["Prefill"] = f"{int(num_prefill / elapsed)}tok/s"
@@ -199,12 +198,16 @@ class LLMEngine:
             self._throughput["Decode"] = f"{int(num_decode / elapsed)}tok/s"
         for seq in sampled:
             handle = self._handles.get(seq.seq_id)
-            if handle is not None:
-                handle._on_token(seq.last_token)
+            if handle is not None and handle._on_token(seq.last_token):  # a stop string ended it
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
+                    finished.append(seq)
         for seq in finished:
             handle = self._handles.pop(seq.seq_id, None)
             if handle is not None:
-                handle._on_finish(self._output(seq), [seq.last_token])
+                handle._on_finish([seq.last_token])
         return finished, num_prefill, num_decode
 
     # ---- offline batches ----------------------------------------------------------------------------
@@ -236,24 +239,48 @@ class LLMEngine:
                     handle.abort()
             raise
 
-    @staticmethod
-    def _check_params(params) -> SamplingParams:
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: str | None = None, **template_kwargs
+             ) -> list[dict]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
+        through the tokenizer's chat template; returns one output per conversation, as `generate()`."""
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise TypeError("conversations must be a non-empty list of messages, or a list of such lists")
+        if isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.config.model} has no chat template; pass chat_template=")
+        prompts = []
+        for conversation in conversations:
+            if not isinstance(conversation, (list, tuple)) or not all(
+                    isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
+                raise TypeError("each conversation must be a list of {'role': ..., 'content': ...} dicts")
+            with self._tokenizer_lock:
+                text = self.tokenizer.apply_chat_template(
+                    list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template, **template_kwargs)
+                # the template wrote the special tokens already
+                prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def _check_params(self, params) -> SamplingParams:
+        """SamplingParams checks itself; what depends on the model is checked here."""
         if params is None:
             return SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        vocab_size = self.config.hf_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab_size}")
         return params
-
-    def _output(self, seq: Sequence) -> dict:
-        token_ids = seq.completion_token_ids
-        with self._tokenizer_lock:
-            text = self.tokenizer.decode(token_ids)
-        return {
-            "text": text,
-            "token_ids": token_ids,
-            "finish_reason": seq.finish_reason,
-            "num_cached_tokens": max(seq.num_cached_tokens, 0),
-        }
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata, get_backend
@@ -70,6 +71,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
+        self.eos_token_ids = frozenset(config.eos_token_ids)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         if config.device == "cuda":
             self.compile_small_ops()
@@ -295,21 +297,22 @@ class ModelRunner:
         return t
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> list[int] | None:
-        """Compute the scheduled tokens of `seqs`; rank 0 returns one sampled token per sampling sequence."""
+    def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None] | None] | None:
+        """Compute the scheduled tokens of `seqs`; rank 0 returns one sampled token per sampling sequence,
+        and their logprobs when some sequence asked for them."""
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
         if self.graphs and meta.max_seqlen_q == 1 and len(seqs) <= self.graph_batch_sizes[-1]:
             hidden_states = self.replay_cudagraph(input_ids, positions, meta)
         else:
             hidden_states = self.model(input_ids, positions, meta)
         if logits_indices.numel() == 0:
-            return [] if self.rank == 0 else None
+            return ([], None) if self.rank == 0 else None
         logits = self.model.compute_logits(hidden_states[logits_indices])
         if self.rank != 0:
             return None
-        temperatures = self._to_device(np.array([seq.temperature for seq in seqs if seq.samples_this_step],
-                                                dtype=np.float32))
-        return self.sampler(logits, temperatures, self.generator).tolist()
+        batch = build_sampling_batch([seq for seq in seqs if seq.samples_this_step], self.eos_token_ids,
+                                     logits.size(1), self._to_device)
+        return self.sampler.sample(logits, batch, self.generator)
 
     # ---- CUDA graphs for decode ---------------------------------------------------------------------
     @torch.inference_mode()

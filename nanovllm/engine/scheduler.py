@@ -6,6 +6,8 @@ decode has one left, a prefill more. Two policies share it:
   chunked prompt), then admits waiting prompts into what is left of the token budget, chunking the last one;
 - prefill-first (nano-vllm's, `prefill_first=True`): a step prefills while prompts wait, else it decodes.
 When KV blocks run out, the newest running sequence is preempted and recomputed later.
+A sequence ends on EOS or one of its stop token ids (not before `min_tokens`), or at `max_tokens` or
+`max_model_len`; stop strings are the engine's to find, since they need text.
 """
 from collections import deque
 
@@ -103,9 +105,10 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int],
+                    logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
         """Account for a finished step: advance, hash full blocks, append samples; returns finished ones."""
-        sampled = iter(token_ids)
+        sampled = zip(token_ids, logprobs or [None] * len(token_ids))
         finished = []
         for seq in seqs:
             samples = seq.samples_this_step
@@ -115,16 +118,22 @@ class Scheduler:
             self.block_manager.hash_computed_blocks(seq, num_computed_before)
             if not samples:
                 continue
-            token_id = next(sampled)
-            seq.append_token(token_id)
-            if not seq.ignore_eos and token_id in self.eos_token_ids:
-                seq.finish_reason = "stop"
-            elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
+            token_id, token_logprobs = next(sampled)
+            seq.append_token(token_id, token_logprobs)
+            params = seq.params
+            is_eos = not params.ignore_eos and token_id in self.eos_token_ids
+            if (is_eos or token_id in params.stop_token_ids) and seq.num_completion_tokens >= params.min_tokens:
+                seq.stop_reason = None if is_eos else token_id  # as vLLM: None for EOS
+                self.finish(seq, "stop")
+            elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.finish(seq, "length")
             else:
                 continue
-            seq.status = SequenceStatus.FINISHED
-            self.block_manager.deallocate(seq)
-            self.running.remove(seq)
             finished.append(seq)
         return finished
+
+    def finish(self, seq: Sequence, reason: str):
+        """End a running sequence (also from outside, when a stop string matched) and free its blocks."""
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)

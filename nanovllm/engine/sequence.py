@@ -20,7 +20,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "status", "token_ids", "token_offset", "last_token", "num_tokens", "num_prompt_tokens",
         "num_computed_tokens", "num_cached_tokens", "num_scheduled_tokens", "block_table",
-        "temperature", "max_tokens", "ignore_eos", "finish_reason",
+        "params", "finish_reason", "stop_reason", "logprobs",
     )
     counter = count()
 
@@ -36,10 +36,10 @@ class Sequence:
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache at first admission
         self.num_scheduled_tokens = 0  # tokens this step computes
         self.block_table: list[int] = []
-        self.temperature = sampling_params.temperature
-        self.max_tokens = sampling_params.max_tokens
-        self.ignore_eos = sampling_params.ignore_eos
+        self.params = sampling_params  # only rank 0 samples: the workers' copies go without it
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
 
     def __len__(self):
         return self.num_tokens
@@ -75,16 +75,18 @@ class Sequence:
     def block(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]
 
-    def append_token(self, token_id: int):
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None):
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_tokens += 1
 
     def __getstate__(self):
         return (self.seq_id, self.num_tokens, self.num_computed_tokens, self.num_scheduled_tokens,
-                self.block_table, self.temperature, self.scheduled_token_ids)
+                self.block_table, self.scheduled_token_ids)
 
     def __setstate__(self, state):
         (self.seq_id, self.num_tokens, self.num_computed_tokens, self.num_scheduled_tokens,
-         self.block_table, self.temperature, self.token_ids) = state
+         self.block_table, self.token_ids) = state
         self.token_offset = self.num_computed_tokens

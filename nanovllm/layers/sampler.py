@@ -1,17 +1,125 @@
+"""Sampling on the whole batch with tensor ops, one row per sampled sequence.
+
+`forward` is the fast path (plain temperature or greedy rows; compiled on CUDA). `sample` adds, per row:
+penalties, a `min_tokens` ban, min-p, top-k, top-p, per-request seeds and logprobs, in vLLM's order.
+Draws use the exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, with no host sync.
+"""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters on the logits' device. A field is None when no row of the batch uses it."""
+    temperatures: torch.Tensor  # [n] float32, 0 = greedy
+    top_k: torch.Tensor | None = None  # [n] int64, vocab size where off
+    top_p: torch.Tensor | None = None  # [n] float32, > 1 where off
+    min_p: torch.Tensor | None = None  # [n] float32, 0 where off
+    banned: torch.Tensor | None = None  # [n, vocab] bool: EOS and stop tokens of rows short of min_tokens
+    seen: torch.Tensor | None = None  # [n, vocab] bool: tokens in the prompt or the output
+    output_counts: torch.Tensor | None = None  # [n, vocab] float32: times each token was generated
+    repetition_penalty: torch.Tensor | None = None  # [n] float32, 1 where off
+    frequency_penalty: torch.Tensor | None = None  # [n] float32
+    presence_penalty: torch.Tensor | None = None  # [n] float32
+    seeds: list[tuple[int, int]] | None = None  # (row, seed of this row's draw at this step)
+    num_logprobs: list[int | None] | None = None  # per row: how many top logprobs, None = none
+
+    @property
+    def is_plain(self) -> bool:
+        return all(getattr(self, name) is None for name in self.__dataclass_fields__ if name != "temperatures")
+
+
 class Sampler(nn.Module):
-    """Per-row temperature sampling; a temperature of 0 picks the argmax (greedy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seeded_generator: torch.Generator | None = None
 
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor,
                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Per-row temperature sampling; a temperature of 0 picks the argmax (greedy)."""
         logits = logits.float()
         greedy = temperatures == 0
         scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
         probs = torch.softmax(scaled, dim=-1)
-        # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), without a host sync
         noise = torch.empty_like(probs).exponential_(1, generator=generator)
         sampled = probs.div_(noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+               ) -> tuple[list[int], list[dict[int, float] | None] | None]:
+        """Token ids, and per row the logprobs asked for (None when no row asked)."""
+        if batch.is_plain:
+            return self(logits, batch.temperatures, generator).tolist(), None
+        raw = logits.float()
+        logits = apply_penalties(raw, batch)
+        greedy = batch.temperatures == 0
+        scaled = logits / torch.where(greedy, 1.0, batch.temperatures).unsqueeze(1)
+        scaled = apply_min_p_top_k_top_p(scaled, batch.min_p, batch.top_k, batch.top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs).exponential_(1, generator=generator)
+        for row, seed in batch.seeds or ():
+            if self.seeded_generator is None:
+                self.seeded_generator = torch.Generator(probs.device)
+            noise[row].exponential_(1, generator=self.seeded_generator.manual_seed(seed))
+        sampled = torch.where(greedy, logits.argmax(dim=-1), probs.div_(noise).argmax(dim=-1))
+        token_ids = sampled.tolist()
+        if batch.num_logprobs is None:
+            return token_ids, None
+        return token_ids, gather_logprobs(raw, sampled, batch.num_logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The `min_tokens` ban, then repetition, frequency and presence penalties (vLLM's definitions)."""
+    if batch.banned is not None:
+        logits = logits.masked_fill(batch.banned, float("-inf"))
+    if batch.seen is not None:
+        penalty = batch.repetition_penalty.unsqueeze(1)
+        logits = torch.where(batch.seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    if batch.output_counts is not None:
+        counts = batch.output_counts
+        logits = (logits - batch.frequency_penalty.unsqueeze(1) * counts
+                  - batch.presence_penalty.unsqueeze(1) * (counts > 0))
+    return logits
+
+
+def apply_min_p_top_k_top_p(logits: torch.Tensor, min_p: torch.Tensor | None, top_k: torch.Tensor | None,
+                            top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) what min-p, then top-k, then top-p drop from temperature-scaled logits."""
+    if min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.size(1), device=logits.device)
+        sorted_logits.masked_fill_(ranks >= top_k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # a token stays while the more likely ones hold < top_p
+        sorted_logits.masked_fill_(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]
+                    ) -> list[dict[int, float] | None]:
+    """Per row that asked: {sampled id: its logprob, then the top-k ids by logprob}, from the raw logits."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    k = max(n for n in num_logprobs if n is not None)
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    sampled_values = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+    rows = zip(num_logprobs, sampled.tolist(), sampled_values.tolist(), top_ids.tolist(), top_values.tolist())
+    out = []
+    for n, token_id, value, ids, values in rows:
+        if n is None:
+            out.append(None)
+            continue
+        entry = {token_id: value}
+        for i, v in zip(ids[:n], values[:n]):
+            entry.setdefault(i, v)
+        out.append(entry)
+    return out

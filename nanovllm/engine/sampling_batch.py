@@ -1,0 +1,77 @@
+"""The sampler's per-row inputs, built on rank 0 from the sequences that sample this step.
+
+A batch in which every row is plain temperature (or greedy) sampling carries temperatures only, so the
+sampler takes its fast path; anything else adds only the tensors that some row of the batch needs.
+"""
+from itertools import chain
+from typing import Callable
+
+import numpy as np
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import SamplingBatch
+
+GOLDEN = 0x9E3779B97F4A7C15
+
+
+ToDevice = Callable[[np.ndarray], torch.Tensor]
+
+
+def build_sampling_batch(seqs: list[Sequence], eos_token_ids: frozenset[int], vocab_size: int,
+                         to_device: ToDevice) -> SamplingBatch:
+    params = [seq.params for seq in seqs]
+
+    def column(values, dtype=np.float32) -> torch.Tensor:
+        return to_device(np.array(values, dtype=dtype))
+
+    batch = SamplingBatch(column([p.temperature for p in params]))
+    short = [seq.num_completion_tokens < seq.params.min_tokens for seq in seqs]
+    if all(p.is_plain for p in params) and not any(short):
+        return batch
+    if any(p.top_k > 0 for p in params):
+        batch.top_k = column([p.top_k if p.top_k > 0 else vocab_size for p in params], np.int64)
+    if any(p.top_p < 1 for p in params):
+        batch.top_p = column([p.top_p if p.top_p < 1 else 2.0 for p in params])  # > 1: keeps every token
+    if any(p.min_p > 0 for p in params):
+        batch.min_p = column([p.min_p for p in params])
+    if any(short):  # a request short of min_tokens cannot draw EOS or its stop tokens
+        batch.banned = token_mask([
+            [t for t in chain(p.stop_token_ids, () if p.ignore_eos else eos_token_ids) if t < vocab_size]
+            if is_short else [] for p, is_short in zip(params, short)], vocab_size, to_device)
+    if any(p.repetition_penalty != 1 for p in params):
+        batch.repetition_penalty = column([p.repetition_penalty for p in params])
+        batch.seen = token_mask([seq.token_ids if p.repetition_penalty != 1 else []
+                                 for seq, p in zip(seqs, params)], vocab_size, to_device)
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        batch.frequency_penalty = column([p.frequency_penalty for p in params])
+        batch.presence_penalty = column([p.presence_penalty for p in params])
+        outputs = [seq.completion_token_ids if p.frequency_penalty or p.presence_penalty else []
+                   for seq, p in zip(seqs, params)]
+        rows, cols = rows_and_columns(outputs, to_device)
+        device = rows.device
+        batch.output_counts = torch.zeros(len(seqs), vocab_size, device=device).index_put_(
+            (rows, cols), torch.ones(len(cols), device=device), accumulate=True)
+    if any(p.seed is not None for p in params):
+        # the draw for a request's k-th token depends on its seed and position only: reproducible in any batch
+        batch.seeds = [(row, (p.seed * GOLDEN + seq.num_tokens) % (1 << 64))
+                       for row, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None]
+    if any(p.logprobs is not None for p in params):
+        batch.num_logprobs = [p.logprobs for p in params]
+    return batch
+
+
+def rows_and_columns(token_lists: list[list[int]], to_device: ToDevice) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, token) index pairs of every token of every row."""
+    lengths = [len(tokens) for tokens in token_lists]
+    rows = np.repeat(np.arange(len(token_lists), dtype=np.int64), lengths)
+    cols = np.fromiter(chain.from_iterable(token_lists), np.int64, sum(lengths))
+    return to_device(rows), to_device(cols)
+
+
+def token_mask(token_lists: list[list[int]], vocab_size: int, to_device: ToDevice) -> torch.Tensor:
+    """[rows, vocab] bool, True at each row's tokens."""
+    rows, cols = rows_and_columns(token_lists, to_device)
+    mask = torch.zeros(len(token_lists), vocab_size, dtype=torch.bool, device=rows.device)
+    mask[rows, cols] = True
+    return mask

@@ -1,0 +1,293 @@
+"""Sampling controls and outputs: top-k/top-p/min-p, seeds, stop strings and tokens, min_tokens, logprobs,
+penalties, special tokens and chat, each checked against the model's own (HF's) logits or a direct reference."""
+import json
+import random
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.sampler import SamplingBatch, apply_penalties
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(4, 60))] for _ in range(n)]
+
+
+def greedy(max_tokens: int = 16, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    with LLM(tiny_model, kvcache_block_size=16) as engine:
+        yield engine
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
+    batch = prompts(6)
+    expected = [o["token_ids"] for o in llm.generate(batch, greedy(), use_tqdm=False)]
+    for controls in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        params = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, **controls)
+        assert [o["token_ids"] for o in llm.generate(batch, params, use_tqdm=False)] == expected, controls
+
+
+def allowed_set(probs: torch.Tensor, top_k=0, top_p=1.0, min_p=0.0, slack=1e-5) -> set[int]:
+    """The tokens that min-p, top-k and top-p keep, computed directly from probabilities (with slack at the
+    edges for the engine's own rounding)."""
+    keep = probs >= min_p * probs.max() - slack
+    if top_k:
+        keep &= probs >= probs.topk(top_k).values[-1] - slack
+    if top_p < 1:
+        renormalized = torch.where(keep, probs, 0) / torch.where(keep, probs, 0).sum()
+        order = renormalized.argsort(descending=True)
+        mass_before = renormalized[order].cumsum(0) - renormalized[order]
+        kept_by_p = torch.zeros_like(keep)
+        kept_by_p[order[mass_before < top_p + slack]] = True
+        keep &= kept_by_p
+    return set(keep.nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("controls", [{"top_k": 5}, {"top_p": 0.3}, {"min_p": 0.3}, {"top_k": 20, "top_p": 0.5}])
+def test_draws_stay_inside_the_kept_set(llm, hf_model, controls):
+    prompt = prompts(1, seed=1)[0]
+    temperature = 1.3
+    probs = torch.softmax(hf_logits(hf_model, prompt)[-1] / temperature, dim=-1)
+    allowed = allowed_set(probs, **controls)
+    assert 1 < len(allowed) < len(probs) // 2  # the control matters for this prompt
+    params = SamplingParams(temperature=temperature, max_tokens=1, ignore_eos=True, **controls)
+    draws = [o["token_ids"][0] for o in llm.generate([prompt] * 400, params, use_tqdm=False)]
+    assert set(draws) <= allowed
+    assert len(set(draws)) > 1  # it samples, not argmax
+    # and draws follow the model's probabilities renormalized over the kept set
+    kept = torch.tensor(sorted(allowed))
+    expected = probs[kept] / probs[kept].sum()
+    counts = Counter(draws)
+    for token, p in zip(kept.tolist(), expected.tolist()):
+        assert abs(counts[token] / len(draws) - p) < 0.1, (token, counts[token], p)
+
+
+def test_same_seed_same_tokens_in_any_company(llm):
+    prompt = prompts(1, seed=2)[0]
+    seeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=1234)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
+    company = prompts(5, seed=3)
+    noisy = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    mixed = llm.generate(company[:2] + [prompt] + company[2:], [noisy, noisy, seeded, noisy, noisy, noisy],
+                         use_tqdm=False)
+    assert mixed[2]["token_ids"] == alone
+    other_seed = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=1235)
+    assert llm.generate([prompt], other_seed, use_tqdm=False)[0]["token_ids"] != alone
+    unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    assert llm.generate([prompt], unseeded, use_tqdm=False)[0]["token_ids"] != alone
+
+
+def test_same_seed_survives_preemption(tiny_model):
+    prompt = prompts(1, seed=4)[0]
+    seeded = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=7)
+    with LLM(tiny_model, kvcache_block_size=16) as roomy:
+        expected = roomy.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=8) as tight:
+        outputs = tight.generate(prompts(4, seed=5) + [prompt], seeded, use_tqdm=False)
+        assert tight.scheduler.num_preemptions > 0
+    assert outputs[-1]["token_ids"] == expected
+
+
+def spanning_stop(llm, token_ids: list[int]) -> str:
+    """A two-character string made of the end of one token's text and the start of the next's."""
+    for i in range(2, len(token_ids) - 1):
+        left, right = llm.decode([token_ids[i]]), llm.decode([token_ids[i + 1]])
+        if len(left) >= 2 and len(right) >= 2 and left.isprintable() and right.isprintable():
+            return left[-1] + right[0]
+    pytest.skip("no two neighbouring multi-character tokens in this output")
+
+
+def test_stop_string_spanning_tokens(llm):
+    prompt = prompts(1, seed=6)[0]
+    free = llm.generate([prompt], greedy(48), use_tqdm=False)[0]
+    stop = spanning_stop(llm, free["token_ids"])
+    cut = free["text"].index(stop)
+    # the token that completes the first occurrence is the last one generated
+    num_tokens = next(n for n in range(1, 49) if stop in llm.decode(free["token_ids"][:n]))
+    out = llm.generate([prompt], greedy(48, stop=["never-there", stop]), use_tqdm=False)[0]
+    assert out["text"] == free["text"][:cut] and stop not in out["text"]
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == stop
+    assert out["token_ids"] == free["token_ids"][:num_tokens]
+    # streamed pieces never show the stop string, and add up to the same text
+    pieces = [increment["text"] for increment in llm.submit(prompt, greedy(48, stop=stop))]
+    assert "".join(pieces) == out["text"]
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    prompt = prompts(1, seed=6)[0]
+    free = llm.generate([prompt], greedy(48), use_tqdm=False)[0]
+    stop = spanning_stop(llm, free["token_ids"])
+    first = next(n for n in range(1, 49) if stop in llm.decode(free["token_ids"][:n]))
+    out = llm.generate([prompt], greedy(48, stop=stop, min_tokens=first + 1), use_tqdm=False)[0]
+    assert len(out["token_ids"]) > first  # the occurrence before min_tokens did not count
+
+
+def test_stop_token_ids(llm):
+    prompt = prompts(1, seed=7)[0]
+    free = llm.generate([prompt], greedy(32), use_tqdm=False)[0]["token_ids"]
+    index = next(i for i in range(3, 32) if free[i] not in free[:i])
+    stop_id = free[index]
+    out = llm.generate([prompt], greedy(32, stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    assert out["token_ids"] == free[:index + 1]  # ignore_eos does not turn stop_token_ids off
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == stop_id
+    assert out["text"] == llm.decode(free[:index])  # the stop token's text is not part of the output
+
+
+def test_min_tokens_suppresses_eos(tiny_model, hf_model, tmp_path):
+    prompt = prompts(1, seed=8)[0]
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        first = llm.generate([prompt], greedy(1), use_tqdm=False)[0]["token_ids"][0]
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    gen_config = json.loads((model / "generation_config.json").read_text())
+    gen_config["eos_token_id"] = [first]  # the greedy first token is now an EOS
+    (model / "generation_config.json").write_text(json.dumps(gen_config))
+    with LLM(str(model), kvcache_block_size=16) as llm:
+        stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+        assert stopped["token_ids"] == [first] and stopped["finish_reason"] == "stop"
+        assert stopped["stop_reason"] is None and stopped["text"] == ""
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=4),
+                           use_tqdm=False)[0]
+    assert len(out["token_ids"]) >= 4 and first not in out["token_ids"][:4]
+    # the first token is HF's argmax once EOS is banned, and the rest are plain greedy
+    logits = hf_logits(hf_model, prompt)[-1]
+    logits[first] = float("-inf")
+    assert out["token_ids"][0] == logits.argmax().item()
+
+
+def test_logprobs_match_hf(llm, hf_model):
+    batch = prompts(3, seed=9)
+    params = [SamplingParams(temperature=0.7, max_tokens=10, ignore_eos=True, seed=3, logprobs=5),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)]
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    assert outputs[2]["logprobs"] is None
+    for prompt, out, k in zip(batch[:2], outputs[:2], (5, 0)):
+        reference = torch.log_softmax(hf_logits(hf_model, prompt + out["token_ids"]), dim=-1)[len(prompt) - 1:-1]
+        assert len(out["logprobs"]) == len(out["token_ids"])
+        for row, token_id, entry in zip(reference, out["token_ids"], out["logprobs"]):
+            assert next(iter(entry)) == token_id  # the sampled token's own comes first
+            top_values, top_ids = row.topk(k)
+            assert set(entry) == {token_id, *top_ids.tolist()}
+            for t, value in entry.items():
+                assert value == pytest.approx(row[t].item(), abs=1e-4)
+
+
+def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float,
+                        frequency: float, presence: float) -> torch.Tensor:
+    """vLLM's definitions, one token at a time."""
+    logits = logits.clone()
+    for t in set(prompt) | set(output):
+        logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
+    for t, n in Counter(output).items():
+        logits[t] -= frequency * n + presence
+    return logits
+
+
+def test_apply_penalties_matches_reference():
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(3, vocab) * 3
+    histories = [([1, 2, 3, 3], [4, 4, 4, 1]), ([7], []), ([9, 10], [11, 9])]
+    settings = [(1.3, 0.5, 0.2), (1.0, 0.0, 0.0), (0.8, -0.4, 1.0)]
+    seen = torch.zeros(3, vocab, dtype=torch.bool)
+    counts = torch.zeros(3, vocab)
+    for row, (prompt, output) in enumerate(histories):
+        seen[row, prompt + output] = True
+        for t in output:
+            counts[row, t] += 1
+    batch = SamplingBatch(torch.ones(3), seen=seen, output_counts=counts,
+                          repetition_penalty=torch.tensor([s[0] for s in settings]),
+                          frequency_penalty=torch.tensor([s[1] for s in settings]),
+                          presence_penalty=torch.tensor([s[2] for s in settings]))
+    got = apply_penalties(logits, batch)
+    for row, ((prompt, output), setting) in enumerate(zip(histories, settings)):
+        torch.testing.assert_close(got[row], reference_penalties(logits[row], prompt, output, *setting))
+
+
+def test_penalized_greedy_matches_hf(llm, hf_model):
+    batch = prompts(3, seed=10)
+    penalties = dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.5)
+    plain = llm.generate(batch, greedy(24), use_tqdm=False)
+    outputs = llm.generate(batch, [greedy(24, **penalties), greedy(24), greedy(24, frequency_penalty=1.5)],
+                           use_tqdm=False)
+    assert outputs[0]["token_ids"] != plain[0]["token_ids"]  # the penalties changed something
+    assert outputs[1]["token_ids"] == plain[1]["token_ids"]  # and only where they were asked for
+    settings = [(1.5, 0.8, 0.5), (1.0, 0.0, 0.0), (1.0, 1.5, 0.0)]
+    for prompt, out, setting in zip(batch, outputs, settings):
+        generated = out["token_ids"]
+        logits = hf_logits(hf_model, prompt + generated)[len(prompt) - 1:-1]
+        for i, token_id in enumerate(generated):
+            penalized = reference_penalties(logits[i], prompt, generated[:i], *setting)
+            assert penalized.max() - penalized[token_id] <= 1e-4, (i, token_id)
+
+
+def test_special_tokens_in_text(llm):
+    special = set(llm.tokenizer.all_special_ids)
+    batch = prompts(40, seed=11)
+    outputs = llm.generate(batch, greedy(32), use_tqdm=False)
+    prompt, ids = next((p, o["token_ids"]) for p, o in zip(batch, outputs) if special & set(o["token_ids"]))
+    kept = llm.generate([prompt], greedy(32, skip_special_tokens=False), use_tqdm=False)[0]
+    skipped = llm.generate([prompt], greedy(32), use_tqdm=False)[0]  # skip_special_tokens=True by default
+    assert kept["token_ids"] == skipped["token_ids"] == ids
+    assert kept["text"] == llm.tokenizer.decode(ids, skip_special_tokens=False) != skipped["text"]
+    assert skipped["text"] == llm.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_chat_applies_the_template(llm):
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    templated = llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>assistant" in templated
+    expected = llm.generate([llm.tokenizer.encode(templated, add_special_tokens=False)], greedy(), use_tqdm=False)
+    one = llm.chat(conversation, greedy(), use_tqdm=False)
+    two = llm.chat([conversation, [{"role": "user", "content": "and you?"}]], greedy(), use_tqdm=False)
+    assert one[0]["token_ids"] == expected[0]["token_ids"] == two[0]["token_ids"]
+    assert len(two) == 2 and two[1]["token_ids"] != two[0]["token_ids"]
+    with pytest.raises(TypeError, match="role"):
+        llm.chat([{"text": "no role"}], greedy(), use_tqdm=False)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"top_p": 0.0}, ValueError, "top_p=0.0 must be in \\(0, 1\\]"),
+    ({"top_p": 1.5}, ValueError, "top_p=1.5"),
+    ({"top_k": -2}, ValueError, "top_k=-2"),
+    ({"top_k": 2.0}, TypeError, "top_k=2.0"),
+    ({"min_p": 1.5}, ValueError, "min_p=1.5"),
+    ({"seed": "x"}, TypeError, "seed='x'"),
+    ({"min_tokens": 10, "max_tokens": 5}, ValueError, "min_tokens=10 must be in \\[0, max_tokens=5\\]"),
+    ({"stop": [""]}, ValueError, "stop strings must not be empty"),
+    ({"stop": 5}, TypeError, "stop=5"),
+    ({"stop_token_ids": [1, -3]}, ValueError, "stop token id -3"),
+    ({"stop_token_ids": 3}, TypeError, "stop_token_ids=3"),
+    ({"logprobs": -1}, ValueError, "logprobs=-1"),
+    ({"presence_penalty": 3.0}, ValueError, "presence_penalty=3.0 must be in \\[-2, 2\\]"),
+    ({"frequency_penalty": float("inf")}, ValueError, "frequency_penalty=inf must be finite"),
+    ({"repetition_penalty": 0}, ValueError, "repetition_penalty=0.0 must be > 0"),
+    ({"skip_special_tokens": 1}, TypeError, "skip_special_tokens=1"),
+])
+def test_bad_sampling_controls(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"stop_token_ids": [512]}, "stop token id 512 is outside the vocabulary \\[0, 512\\)"),
+    ({"logprobs": 513}, "logprobs=513 is more than the vocabulary size 512"),
+])
+def test_model_dependent_limits_leave_engine_usable(llm, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine"], SamplingParams(**kwargs), use_tqdm=False)
+    assert len(llm.generate(["fine"], greedy(3), use_tqdm=False)[0]["token_ids"]) == 3
