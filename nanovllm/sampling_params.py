@@ -11,13 +11,13 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
+    max_tokens: int = 64  # nano-vllm's three fields come first, so its positional calls still work
+    ignore_eos: bool = False
     top_p: float = 1.0  # keep the most likely tokens whose probabilities sum to top_p (1 = off)
     top_k: int = 0  # keep the k most likely tokens (0 or -1 = off)
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (0 = off)
     seed: int | None = None  # this request's own random stream, whatever else is in the batch
-    max_tokens: int = 64
     min_tokens: int = 0  # no EOS, stop token or stop string ends the request before this many tokens
-    ignore_eos: bool = False
     stop: str | list[str] | None = None  # strings that end the request; never part of the returned text
     stop_token_ids: list[int] | None = None  # ids that end the request, also with ignore_eos
     logprobs: int | None = None  # return the top-k log-probabilities of each token, plus the sampled one's

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sampling_batch import build_sampling_batch
+from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplingBatch, apply_penalties
 
 
@@ -30,6 +32,18 @@ def llm(tiny_model):
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def test_plain_rows_take_the_fast_path():
+    def batch_of(*params):
+        return build_sampling_batch([Sequence([5, 6], p) for p in params], frozenset([1]), 64, torch.from_numpy)
+
+    plain = batch_of(SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=0.7, stop="x"))
+    assert plain.is_plain and plain.temperatures.tolist() == pytest.approx([1.0, 0.0, 0.7])
+    full = batch_of(SamplingParams(), SamplingParams(top_k=3), SamplingParams(min_tokens=2))
+    assert not full.is_plain
+    assert full.top_k.tolist() == [64, 3, 64] and full.top_p is None and full.seen is None
+    assert full.banned[2, 1] and not full.banned[:2].any()  # only the row short of min_tokens bans EOS
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm):

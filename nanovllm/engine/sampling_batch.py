@@ -12,9 +12,7 @@ import torch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplingBatch
 
-GOLDEN = 0x9E3779B97F4A7C15
-
-
+GOLDEN = 0x9E3779B97F4A7C15  # spreads seeds apart before the position is added
 ToDevice = Callable[[np.ndarray], torch.Tensor]
 
 
@@ -26,8 +24,7 @@ def build_sampling_batch(seqs: list[Sequence], eos_token_ids: frozenset[int], vo
         return to_device(np.array(values, dtype=dtype))
 
     batch = SamplingBatch(column([p.temperature for p in params]))
-    short = [seq.num_completion_tokens < seq.params.min_tokens for seq in seqs]
-    if all(p.is_plain for p in params) and not any(short):
+    if all(seq.plain_sampling for seq in seqs):
         return batch
     if any(p.top_k > 0 for p in params):
         batch.top_k = column([p.top_k if p.top_k > 0 else vocab_size for p in params], np.int64)
@@ -35,6 +32,7 @@ def build_sampling_batch(seqs: list[Sequence], eos_token_ids: frozenset[int], vo
         batch.top_p = column([p.top_p if p.top_p < 1 else 2.0 for p in params])  # > 1: keeps every token
     if any(p.min_p > 0 for p in params):
         batch.min_p = column([p.min_p for p in params])
+    short = [seq.num_completion_tokens < seq.params.min_tokens for seq in seqs]
     if any(short):  # a request short of min_tokens cannot draw EOS or its stop tokens
         batch.banned = token_mask([
             [t for t in chain(p.stop_token_ids, () if p.ignore_eos else eos_token_ids) if t < vocab_size]
@@ -49,9 +47,9 @@ def build_sampling_batch(seqs: list[Sequence], eos_token_ids: frozenset[int], vo
         outputs = [seq.completion_token_ids if p.frequency_penalty or p.presence_penalty else []
                    for seq, p in zip(seqs, params)]
         rows, cols = rows_and_columns(outputs, to_device)
-        device = rows.device
-        batch.output_counts = torch.zeros(len(seqs), vocab_size, device=device).index_put_(
-            (rows, cols), torch.ones(len(cols), device=device), accumulate=True)
+        f32 = dict(dtype=torch.float32, device=rows.device)
+        batch.output_counts = torch.zeros(len(seqs), vocab_size, **f32).index_put_(
+            (rows, cols), torch.ones(len(cols), **f32), accumulate=True)
     if any(p.seed is not None for p in params):
         # the draw for a request's k-th token depends on its seed and position only: reproducible in any batch
         batch.seeds = [(row, (p.seed * GOLDEN + seq.num_tokens) % (1 << 64))

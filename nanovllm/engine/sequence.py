@@ -20,7 +20,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "status", "token_ids", "token_offset", "last_token", "num_tokens", "num_prompt_tokens",
         "num_computed_tokens", "num_cached_tokens", "num_scheduled_tokens", "block_table",
-        "params", "finish_reason", "stop_reason", "logprobs",
+        "params", "plain_sampling", "finish_reason", "stop_reason", "logprobs",
     )
     counter = count()
 
@@ -37,6 +37,7 @@ class Sequence:
         self.num_scheduled_tokens = 0  # tokens this step computes
         self.block_table: list[int] = []
         self.params = sampling_params  # only rank 0 samples: the workers' copies go without it
+        self.plain_sampling = sampling_params.is_plain and sampling_params.min_tokens == 0  # the fast path
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
