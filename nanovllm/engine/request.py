@@ -1,4 +1,5 @@
-"""The online API: the engine's loop thread, request handles, and incremental detokenization for streams.
+"""The online API: the engine's loop thread, request handles, and incremental detokenization for streams
+and stop strings.
 
 A handle is filled by the engine's loop thread and read by any thread (iteration, `result()`) or by asyncio
 (`LLM.stream`). The loop never waits for a reader: each handle has its own unbounded queue, so a slow consumer
