@@ -272,6 +272,11 @@ def test_chat_applies_the_template(llm):
     assert len(two) == 2 and two[1]["token_ids"] != two[0]["token_ids"]
     with pytest.raises(TypeError, match="role"):
         llm.chat([{"text": "no role"}], greedy(), use_tqdm=False)
+    # the template sees chat_template_kwargs, and chat_template replaces the tokenizer's
+    plain = llm.chat(conversation, greedy(), chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                     "{% if shout %}!{% endif %}", chat_template_kwargs={"shout": True}, use_tqdm=False)
+    expected = llm.generate([llm.tokenizer.encode("be briefhello there!")], greedy(), use_tqdm=False)
+    assert plain[0]["token_ids"] == expected[0]["token_ids"]
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

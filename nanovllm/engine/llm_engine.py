@@ -241,10 +241,11 @@ class LLMEngine:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None, **template_kwargs
-             ) -> list[dict]:
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[dict]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
-        through the tokenizer's chat template; returns one output per conversation, as `generate()`."""
+        through the tokenizer's chat template; returns one output per conversation, as `generate()`.
+        `chat_template_kwargs` go to the template (Qwen3's `enable_thinking`, say), as in vLLM."""
         if not isinstance(conversations, (list, tuple)) or not conversations:
             raise TypeError("conversations must be a non-empty list of messages, or a list of such lists")
         if isinstance(conversations[0], dict):
@@ -259,7 +260,7 @@ class LLMEngine:
             with self._tokenizer_lock:
                 text = self.tokenizer.apply_chat_template(
                     list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
-                    chat_template=chat_template, **template_kwargs)
+                    chat_template=chat_template, **(chat_template_kwargs or {}))
                 # the template wrote the special tokens already
                 prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
