@@ -37,6 +37,24 @@ def test_tp2_equals_tp1_and_hf(tiny_model, hf_model):
     assert our_shm_segments() == []
 
 
+def test_tp2_sampling_controls_equal_tp1(tiny_model):
+    # only rank 0 samples: the workers' copies of a sequence carry no sampling parameters
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=5, logprobs=2, max_tokens=12,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, repetition_penalty=1.4, frequency_penalty=0.5, min_tokens=3,
+                             max_tokens=12, stop_token_ids=[9])] * 2
+    outputs = []
+    for tp in (1, 2):
+        with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=tp) as llm:
+            outputs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+    tp1, tp2 = outputs
+    assert [o["token_ids"] for o in tp2] == [o["token_ids"] for o in tp1]
+    for a, b in zip(tp1, tp2):
+        assert (a["logprobs"] is None) == (b["logprobs"] is None)
+        for x, y in zip(a["logprobs"] or [], b["logprobs"] or []):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
 def test_vocabulary_that_does_not_divide_is_padded(tmp_path):
     from transformers import AutoModelForCausalLM
     path = make_random_checkpoint(tmp_path / "odd-vocab", "tiny", vocab_size=511, tie_word_embeddings=False)
