@@ -1,7 +1,7 @@
 """Latency under Poisson arrivals, mixed steps vs nano-vllm's prefill-first steps.
 
 Requests arrive at `--rate` per second (exponential gaps, seed 0) with prompt lengths uniform in 100..1024 and
-output lengths uniform in 100..`--max-output-len`; each is streamed with `LLM.stream`. Reports time to first
+output lengths uniform in 100..`--max-output-len` (or all of it, when that is below 100); each is streamed with `LLM.stream`. Reports time to first
 token (TTFT) and inter-token latency (ITL), p50 and p99, for each policy.
 
     python benchmarks/latency.py [--model PATH] [--num-requests 200] [--rate 20]
@@ -49,7 +49,7 @@ def main():
     rng = random.Random(0)
     vocab = 512 if "tiny" in path else 10000
     requests = [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))],
-                 SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, args.max_output_len)))
+                 SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(min(100, args.max_output_len), args.max_output_len)))
                 for _ in range(args.num_requests)]
     rows = []
     for prefill_first in (False, True):
