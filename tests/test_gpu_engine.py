@@ -1,4 +1,5 @@
-"""The engine on CUDA: CUDA-graph decode equals eager decode, and greedy tokens match HF at bf16 tolerance."""
+"""The engine on CUDA: CUDA-graph decode equals eager decode, greedy tokens match HF at bf16 tolerance, and the
+sampling controls run beside the compiled fast path."""
 import random
 
 import pytest
@@ -83,3 +84,27 @@ class _CudaWrapper:
 def test_kv_cache_too_small_is_a_clear_error(qwen3_small):
     with pytest.raises(ValueError, match="fewer than max_model_len"):
         LLM(qwen3_small, gpu_memory_utilization=0.0015, max_model_len=40960)
+
+
+def test_sampling_controls_on_cuda(qwen3_small):
+    # the full sampler (eager) beside the compiled fast path, with CUDA graphs on; prompts stay inside one block,
+    # so no run hits the prefix cache and equal batches compute the same bits
+    batch = prompts(6, seed=4, lo=20, hi=200)
+    with LLM(qwen3_small, max_model_len=1024) as llm:
+        top1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True, logprobs=1)
+        for out in llm.generate(batch, top1, use_tqdm=False):
+            for token_id, entry in zip(out["token_ids"], out["logprobs"], strict=True):
+                assert entry[token_id] == max(entry.values())  # the sampled token is a likeliest one (ties in bf16)
+        seeded = [SamplingParams(temperature=1.0, top_p=0.9, min_p=0.01, max_tokens=16, ignore_eos=True, seed=s,
+                                 logprobs=3, repetition_penalty=1.2) for s in range(len(batch))]
+        first, second = (llm.generate(batch, seeded, use_tqdm=False) for _ in range(2))
+        assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]
+        for out in first:
+            for token_id, entry in zip(out["token_ids"], out["logprobs"], strict=True):
+                assert next(iter(entry)) == token_id and len(entry) in (3, 4)
+                assert all(-1e4 < value <= 0 for value in entry.values())
+        free = llm.generate(batch[:1], greedy(16), use_tqdm=False)[0]["token_ids"]
+        index = max(i for i in range(16) if free[i] not in free[:i])  # the first time of the latest new token
+        stopped = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[free[index]])
+        out = llm.generate(batch[:1], stopped, use_tqdm=False)[0]
+    assert out["token_ids"] == free[:index + 1] and out["stop_reason"] == free[index]
