@@ -279,6 +279,13 @@ def test_chat_applies_the_template(llm):
     assert plain[0]["token_ids"] == expected[0]["token_ids"]
 
 
+def test_chat_without_a_template_is_a_clear_error(llm, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="has no chat template; pass chat_template="):
+        llm.chat([{"role": "user", "content": "hi"}], greedy(), use_tqdm=False)
+    assert len(llm.generate(["fine"], greedy(3), use_tqdm=False)[0]["token_ids"]) == 3
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"top_p": 0.0}, ValueError, "top_p=0.0 must be in \\(0, 1\\]"),
     ({"top_p": 1.5}, ValueError, "top_p=1.5"),

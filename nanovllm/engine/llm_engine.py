@@ -239,32 +239,6 @@ class LLMEngine:
                     handle.abort()
             raise
 
-    def chat(self, conversations: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[dict]:
-        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
-        through the tokenizer's chat template; returns one output per conversation, as `generate()`.
-        `chat_template_kwargs` go to the template (Qwen3's `enable_thinking`, say), as in vLLM."""
-        if not isinstance(conversations, (list, tuple)) or not conversations:
-            raise TypeError("conversations must be a non-empty list of messages, or a list of such lists")
-        if isinstance(conversations[0], dict):
-            conversations = [conversations]
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.config.model} has no chat template; pass chat_template=")
-        prompts = []
-        for conversation in conversations:
-            if not isinstance(conversation, (list, tuple)) or not all(
-                    isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
-                raise TypeError("each conversation must be a list of {'role': ..., 'content': ...} dicts")
-            with self._tokenizer_lock:
-                text = self.tokenizer.apply_chat_template(
-                    list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
-                    chat_template=chat_template, **(chat_template_kwargs or {}))
-                # the template wrote the special tokens already
-                prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm)
-
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
             return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
