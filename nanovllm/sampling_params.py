@@ -83,11 +83,8 @@ class SamplingParams:
     def is_plain(self) -> bool:
         """True when temperature (or greedy) is all this request asks of the sampler: the fast path."""
         return (self.top_p == 1 and self.top_k <= 0 and self.min_p == 0 and self.seed is None
-                and self.logprobs is None and not self.has_penalties)
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                and self.logprobs is None and self.min_tokens == 0 and self.presence_penalty == 0
+                and self.frequency_penalty == 0 and self.repetition_penalty == 1)
 
 
 def _check_int(name: str, value):

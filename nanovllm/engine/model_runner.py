@@ -166,10 +166,8 @@ class ModelRunner:
     def _grow_shm(self, size: int):
         """Move to a buffer at least twice as big: the workers attach to it before the old one goes."""
         old = self.shm
-        self.shm = SharedMemory(name=f"{old.name.lstrip('/')}-{size}", create=True,
-                                size=max(size, 2 * old.size))
-        self.shm, new = old, self.shm
-        self._post(pickle.dumps(["_attach_shm", new.name]))
+        new = SharedMemory(name=f"{old.name.lstrip('/')}-{size}", create=True, size=max(size, 2 * old.size))
+        self._post(pickle.dumps(["_attach_shm", new.name]))  # through the old buffer
         dist.barrier()  # every worker has attached to the new buffer and let go of the old one
         old.close()
         old.unlink()

@@ -37,7 +37,7 @@ class Sequence:
         self.num_scheduled_tokens = 0  # tokens this step computes
         self.block_table: list[int] = []
         self.params = sampling_params  # only rank 0 samples: the workers' copies go without it
-        self.plain_sampling = sampling_params.is_plain and sampling_params.min_tokens == 0  # the fast path
+        self.plain_sampling = sampling_params.is_plain  # read every step: cached
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
