@@ -5,6 +5,7 @@ then temperature (0 = greedy: argmax of the penalized logits), then min-p, top-k
 (from the request's own random stream when `seed` is set). `logprobs` are those of the raw logits.
 """
 import math
+import operator
 from dataclasses import dataclass
 
 
@@ -36,7 +37,7 @@ class SamplingParams:
                 raise ValueError(f"{name}={value} must be finite")
             setattr(self, name, float(value))
         for name in ("top_k", "max_tokens", "min_tokens"):
-            _check_int(name, getattr(self, name))
+            setattr(self, name, _check_int(name, getattr(self, name)))
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
@@ -58,9 +59,9 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)")
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            self.seed = _check_int("seed", self.seed)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
+            self.logprobs = _check_int("logprobs", self.logprobs)
             if self.logprobs < 0:
                 raise ValueError(f"logprobs={self.logprobs} must be >= 0 (0 = only the sampled token's)")
         # normalized to lists, as vLLM does
@@ -71,13 +72,13 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         self.stop = list(stop)
         stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
+        if isinstance(stop_token_ids, (str, bytes, dict)) or not hasattr(stop_token_ids, "__iter__"):
             raise TypeError(f"stop_token_ids={self.stop_token_ids!r} must be a list of ints")
+        stop_token_ids = [_check_int("a stop token id", token_id) for token_id in stop_token_ids]
         for token_id in stop_token_ids:
-            _check_int("a stop token id", token_id)
             if token_id < 0:
                 raise ValueError(f"stop token id {token_id} must be >= 0")
-        self.stop_token_ids = list(stop_token_ids)
+        self.stop_token_ids = stop_token_ids
 
     @property
     def is_plain(self) -> bool:
@@ -87,6 +88,8 @@ class SamplingParams:
                 and self.frequency_penalty == 0 and self.repetition_penalty == 1)
 
 
-def _check_int(name: str, value):
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(name: str, value) -> int:
+    """`value` as a Python int; numpy integers are ints too, bools are not."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_" or not hasattr(value, "__index__"):
         raise TypeError(f"{name}={value!r} must be an int")
+    return operator.index(value)

@@ -2,6 +2,7 @@
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -128,3 +129,31 @@ def test_two_engines_at_once_on_one_host(tiny_model):
         expected = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert results == [expected, expected]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("nanovllm-")]
+
+
+def test_worker_killed_mid_generate_fails_it_within_5s(tiny_model):
+    llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
+    long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+    outcome = {}
+
+    def generate():
+        try:
+            outcome["value"] = llm.generate(PROMPTS, long)
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while llm.stats()["num_running"] < len(PROMPTS) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # decoding
+    os.kill(llm.processes[0].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(5)
+    assert not thread.is_alive(), "generate still blocked 5 s after the worker died"
+    assert time.monotonic() - killed < 5 and isinstance(outcome.get("error"), RuntimeError)
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 15
+    assert our_shm_segments() == []

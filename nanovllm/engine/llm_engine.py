@@ -1,12 +1,16 @@
 """The user-facing loop: prompts in, one output dict per prompt out, in prompt order."""
 import asyncio
 import json
+import operator
 import os
 import socket
+import sys
 import threading
 import uuid
 import weakref
 from time import perf_counter
+
+import numpy as np
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -21,6 +25,7 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+CLOSE_TIMEOUT = 10.0  # seconds close() waits for a running step before it tears the workers down
 
 
 class LLMEngine:
@@ -50,15 +55,16 @@ class LLMEngine:
             stop_workers(self.processes)
             raise
         self.scheduler = Scheduler(config)
-        self._handles: dict[int, RequestHandle] = {}
         self._throughput: dict[str, str] = {}
-        self._loop = EngineLoop()
+        self._loop = EngineLoop(self)
         # runs once: on close(), when the engine is garbage-collected, or at interpreter exit; it holds the
-        # runner but not the engine, so a dropped engine frees its memory and workers
+        # runner and the requests but not the engine, so a dropped engine frees its memory and workers
         self._finalizer = weakref.finalize(self, shutdown, self._loop, self.model_runner, self.processes)
 
     def close(self):
-        """Stop the workers and free the KV cache and shared memory; safe to call more than once."""
+        """Abort every request in flight (each finishes with finish_reason "abort" and the tokens it has, so
+        calls waiting on them in other threads return), then stop the workers and free the KV cache and
+        shared memory. Returns within about CLOSE_TIMEOUT s; safe to call more than once."""
         self._finalizer()
 
     exit = close  # nano-vllm's name
@@ -71,8 +77,7 @@ class LLMEngine:
 
     def check_workers(self):
         """Raise at once, instead of hanging in a collective, when a worker process has died."""
-        if not self._finalizer.alive:
-            raise RuntimeError("the engine is closed")
+        self._loop.check()
         for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive():
                 raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
@@ -84,10 +89,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             with self._tokenizer_lock:
                 token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-                raise TypeError("a token-id prompt must be a list of ints")
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            token_ids = token_id_list(prompt)
+            if token_ids is None:
+                raise TypeError(f"a token-id prompt must be a list of ints, not {prompt!r:.80}")
         else:
             raise TypeError(f"a prompt must be a str or a list of token ids, not {type(prompt).__name__}")
         if not token_ids:
@@ -101,11 +106,15 @@ class LLMEngine:
                              f"{self.config.max_model_len}")
         return token_ids
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> RequestHandle:
-        return self.submit(prompt, sampling_params)
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestHandle:
+        """nano-vllm's way: queue a request for your own `step()` loop (no background thread steps it, until
+        something waits on its handle)."""
+        return self._submit([self.encode(prompt)], [self._check_params(sampling_params)], stream=False,
+                            start=False)[0]
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        """True when no request is queued or running."""
+        return not self._loop.inbox and self.scheduler.is_finished()
 
     def stats(self) -> dict:
         bm = self.scheduler.block_manager
@@ -119,68 +128,84 @@ class LLMEngine:
         return self._submit([self.encode(prompt)], [self._check_params(sampling_params)], stream=True)[0]
 
     async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None):
-        """`async for increment in llm.stream(prompt, params)`: the increments of one request."""
-        loop, increments = asyncio.get_running_loop(), asyncio.Queue()
+        """`async for increment in llm.stream(prompt, params)`: the increments of one request. Leaving the
+        loop early aborts the request."""
+        listener = (asyncio.get_running_loop(), asyncio.Queue())
         handle = self._submit([self.encode(prompt)], [self._check_params(sampling_params)], stream=True,
-                              listener=(loop, increments))[0]
+                              listener=listener)[0]
         try:
             while True:
-                item = await increments.get()
+                item = await listener[1].get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
                 if item["finished"]:
                     return
         finally:
+            handle._remove_listener(listener)
             if not handle.finished:
                 handle.abort()
 
     def _submit(self, token_ids: list[list[int]], params: list[SamplingParams], stream: bool,
-                listener=None) -> list[RequestHandle]:
+                listener=None, start: bool = True) -> list[RequestHandle]:
         self.check_workers()
-        handles = []
-        for ids, p in zip(token_ids, params):
-            handle = RequestHandle(self, Sequence(ids, p), stream)
-            if listener is not None:
-                handle._listeners.append(listener)
-            handles.append(handle)
-        with self._loop.cond:
-            self._loop.inbox.extend(("add", h) for h in handles)
-            self._loop.start(self)
-            self._loop.cond.notify()
+        handles = [RequestHandle(self._loop, self.tokenizer, self._tokenizer_lock, Sequence(ids, p), stream)
+                   for ids, p in zip(token_ids, params)]
+        if listener is not None:
+            handles[0]._add_listener(listener)
+        self._loop.post("add", *handles)
+        if start:
+            self._loop.start()
         return handles
 
-    def _abort(self, handle: RequestHandle):
-        with self._loop.cond:
-            self._loop.inbox.append(("abort", handle))
-            self._loop.cond.notify()
-
-    def _run_once(self) -> bool:
-        """The loop thread's work: take new requests and aborts, then one step; False when idle."""
-        with self._loop.cond:
-            inbox, self._loop.inbox = self._loop.inbox, []
-        for kind, handle in inbox:
+    def _take_inbox(self) -> bool:
+        """Take in new requests and aborts; True when there is work to step."""
+        for kind, handle in self._loop.take_inbox():
             if kind == "add":
-                self._handles[handle.request_id] = handle
+                self._loop.handles[handle.request_id] = handle
                 self.scheduler.add(handle.seq)
-            elif self._handles.pop(handle.request_id, None) is not None:
+            elif self._loop.handles.pop(handle.request_id, None) is not None:
                 seq = handle.seq
                 self.scheduler.abort(seq)
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
                 handle._on_finish([])
-        if self.scheduler.is_finished():
-            return False
-        try:
-            self.step()
-        except BaseException as error:  # fail every request in flight and leave the scheduler empty
-            for handle in self._handles.values():
-                self.scheduler.abort(handle.seq)
-                handle._on_error(error)
-            self._handles.clear()
+        return not self.scheduler.is_finished()
+
+    def _run_once(self) -> bool:
+        """The loop thread's work: take new requests and aborts, then one step; False when idle."""
+        with self._loop.step_lock:
+            if not self._take_inbox():
+                return False
+            try:
+                self._step()
+            except Exception:  # the requests in flight have failed with it; the engine serves the next ones
+                pass
         return True
 
-    def step(self) -> tuple[list[Sequence], int, int]:
-        """One step; returns the sequences it finished and how many prefill and decode tokens it computed."""
+    def step(self) -> tuple[list[tuple[int, list[int]]], int]:
+        """nano-vllm's step, for `add_request` + `while not llm.is_finished(): llm.step()` loops: take in new
+        requests, run one step; returns the (request id, completion token ids) of the requests it finished,
+        and its prefill tokens (> 0) or, for a decode-only step, minus its decode tokens."""
+        self.check_workers()
+        with self._loop.step_lock:
+            self._take_inbox()
+            finished, num_prefill, num_decode = self._step()
+        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_prefill or -num_decode
+
+    def _step(self) -> tuple[list[Sequence], int, int]:
+        """One step (under `step_lock`); returns the sequences it finished and how many prefill and decode
+        tokens it computed. When it raises, every request in flight fails with the error, which propagates."""
+        try:
+            return self._schedule_run_postprocess()
+        except BaseException as error:  # fail every request in flight and leave the scheduler empty
+            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                self.scheduler.abort(seq)
+            for handle in self._loop.handles.values():
+                handle._on_error(error)
+            self._loop.handles.clear()
+            raise
+
+    def _schedule_run_postprocess(self) -> tuple[list[Sequence], int, int]:
         self.check_workers()
         seqs = self.scheduler.schedule()
         if not seqs:
@@ -196,8 +221,9 @@ class LLMEngine:
             self._throughput["Prefill"] = f"{int(num_prefill / elapsed)}tok/s"
         elif num_decode:
             self._throughput["Decode"] = f"{int(num_decode / elapsed)}tok/s"
+        handles = self._loop.handles
         for seq in sampled:
-            handle = self._handles.get(seq.seq_id)
+            handle = handles.get(seq.seq_id)
             if handle is not None and handle._on_token(seq.last_token):  # a stop string ended it
                 if seq.is_finished:
                     seq.finish_reason = "stop"
@@ -205,33 +231,33 @@ class LLMEngine:
                     self.scheduler.finish(seq, "stop")
                     finished.append(seq)
         for seq in finished:
-            handle = self._handles.pop(seq.seq_id, None)
+            handle = handles.pop(seq.seq_id, None)
             if handle is not None:
                 handle._on_finish([seq.last_token])
         return finished, num_prefill, num_decode
 
     # ---- offline batches ----------------------------------------------------------------------------
-    def generate(self, prompts: list[Prompt] | str,
+    def generate(self, prompts: list[Prompt] | Prompt,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        elif len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling params were given for {len(prompts)} prompts; "
-                             "give one, or one per prompt")
-        params = [self._check_params(p) for p in sampling_params]
+                 use_tqdm: bool | None = None) -> list[dict]:
+        """One output dict per prompt, in prompt order. `prompts` is a prompt (a str, or a list of token ids)
+        or a list of them; `sampling_params` is one SamplingParams for all or one per prompt. `use_tqdm`: a
+        progress bar on stderr (None: only when stderr is a terminal)."""
+        prompts = prompt_list(prompts)
+        params = [self._check_params(p) for p in params_list(sampling_params, len(prompts))]
         token_ids = [self.encode(prompt) for prompt in prompts]  # every prompt is checked before any runs
+        if not token_ids:
+            return []
         handles = self._submit(token_ids, params, stream=False)
+        if use_tqdm is None:
+            use_tqdm = sys.stderr.isatty()
         try:
             with tqdm(total=len(handles), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
                 for handle in handles:
                     while not handle._done.wait(0.1):
-                        pbar.set_postfix(self._throughput)
-                        pbar.n = sum(h.finished for h in handles)
-                        pbar.refresh()
-                pbar.n = len(handles)
+                        pbar.set_postfix(self._throughput, refresh=False)
+                        pbar.update(sum(h.finished for h in handles) - pbar.n)
+                pbar.update(len(handles) - pbar.n)
             return [handle.result() for handle in handles]
         except BaseException:
             for handle in handles:  # leave the engine clean for the next call
@@ -248,7 +274,8 @@ class LLMEngine:
         if params is None:
             return SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+            raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}"
+                            + (" (SamplingParams(**d) makes one from a dict)" if isinstance(params, dict) else ""))
         vocab_size = self.config.hf_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab_size]
         if bad:
@@ -256,6 +283,46 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab_size}")
         return params
+
+
+def token_id_list(values) -> list[int] | None:
+    """`values` as a list of Python ints (numpy integers too), or None when one of them is not an integer."""
+    try:
+        token_ids = [operator.index(t) for t in values]
+    except TypeError:
+        return None
+    if any(isinstance(t, (bool, np.bool_)) for t in values):
+        return None
+    return token_ids
+
+
+def prompt_list(prompts) -> list:
+    """The prompts of a `generate` call: a str or a list of token ids is one prompt (as in vLLM)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+        return [prompts]
+    if isinstance(prompts, (list, tuple, np.ndarray)):
+        if len(prompts) and token_id_list(prompts) is not None:
+            return [prompts]
+        return list(prompts)
+    hint = " (pass list(...) of it)" if hasattr(prompts, "__next__") else ""
+    raise TypeError(f"prompts must be a str, a list of token ids, or a list of such prompts, not "
+                    f"{type(prompts).__name__}{hint}")
+
+
+def params_list(sampling_params, num_prompts: int) -> list:
+    """One sampling-params entry per prompt, from None, one SamplingParams, or a list of them."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)):
+        hint = " (SamplingParams(**d) makes one from a dict)" if isinstance(sampling_params, dict) else ""
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), not "
+                        f"{type(sampling_params).__name__}{hint}")
+    if len(sampling_params) != num_prompts:
+        raise ValueError(f"{len(sampling_params)} sampling params were given for {num_prompts} prompts; "
+                         "give one, or one per prompt")
+    return list(sampling_params)
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
@@ -271,12 +338,14 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
 
 
 def shutdown(loop: EngineLoop, model_runner: ModelRunner, processes: list):
-    loop.stop()
-    workers_alive = all(process.is_alive() for process in processes)
+    steps_stopped = loop.stop(CLOSE_TIMEOUT)  # every request in flight finishes now, as aborted
+    workers_alive = steps_stopped and all(process.is_alive() for process in processes)
     try:
         if workers_alive:
             model_runner.call("exit")
-        else:  # no collective can complete: tear down this rank alone
+        else:  # a step still runs, or a worker is gone: no collective can complete; tear down this rank alone
+            for process in processes:
+                process.kill()  # which also ends a collective that a stuck step waits in
             model_runner.exit(workers_alive=False)
     finally:
         stop_workers(processes)

@@ -1,12 +1,16 @@
 """The online API: the engine's loop thread, request handles, and incremental detokenization for streams
 and stop strings.
 
-A handle is filled by the engine's loop thread and read by any thread (iteration, `result()`) or by asyncio
-(`LLM.stream`). The loop never waits for a reader: each handle has its own unbounded queue, so a slow consumer
-of one stream does not stall the others.
+A handle is filled by whoever steps the engine (its loop thread, or a caller of `step()`) and read by any
+thread (iteration, `result()`) or by asyncio (`LLM.stream`). Nobody waits on a reader: each handle keeps its
+own increments, so a slow consumer of one stream does not stall the others.
+
+Lifecycle guarantees: every handle finishes exactly once, with an output or an error. When a step raises, the
+requests in flight fail with its error and the engine serves the next ones; when the loop thread itself stops
+on an unexpected error, every pending request fails and later calls raise, naming that error; `close()` ends
+the requests in flight with `finish_reason="abort"`.
 """
 import asyncio
-import queue
 import threading
 import weakref
 
@@ -45,10 +49,13 @@ class IncrementalDetokenizer:
         return piece
 
     def find_stop(self, stops: list[str]) -> tuple[str, int] | None:
-        """The earliest stop string that ends in the text added since the last call, and where it starts."""
-        start = max(self.searched - max(map(len, stops)) + 1, 0)
-        self.searched = len(self.text)
-        hits = [(index, stop) for stop in stops if (index := self.text.find(stop, start)) >= 0]
+        """The earliest stop string that ends in the text added since the last call, and where it starts.
+
+        Each stop string is looked for from its own length back before the new text, so an occurrence that
+        ended in text searched earlier is never found again."""
+        searched, self.searched = self.searched, len(self.text)
+        hits = [(index, stop) for stop in stops
+                if (index := self.text.find(stop, max(searched - len(stop) + 1, 0))) >= 0]
         return min(hits)[::-1] if hits else None
 
 
@@ -56,20 +63,26 @@ class RequestHandle:
     """One submitted request: iterate it for increments, `result()` for the final output, `abort()` to end it.
 
     Each increment is a dict with `token_ids` (new ids), `text` (new text) and `finished`; the last one also
-    has `finish_reason` and `stop_reason`. The handle also finds stop strings, which need the text.
+    has `finish_reason` and `stop_reason`. A handle that was not submitted for streaming (`generate`,
+    `add_request`) yields a single increment, the whole completion, when it finishes. Every iteration replays
+    the increments from the first, so a handle can be iterated again, or by two threads. The handle also finds
+    stop strings, which need the text.
     """
 
-    def __init__(self, engine, seq: Sequence, stream: bool):
-        self._engine = engine
+    def __init__(self, loop: "EngineLoop", tokenizer, tokenizer_lock: threading.Lock, seq: Sequence,
+                 stream: bool):
+        self._loop = loop
+        self._tokenizer, self._tokenizer_lock = tokenizer, tokenizer_lock
         self.seq = seq
         params = seq.params
-        self._stream = stream  # False: nobody reads increments, so none are made
-        self._detokenizer = (IncrementalDetokenizer(engine.tokenizer, engine._tokenizer_lock,
-                                                    params.skip_special_tokens) if stream or params.stop else None)
+        self._stream = stream  # False: nobody reads increments before the end, so none are made
+        self._detokenizer = (IncrementalDetokenizer(tokenizer, tokenizer_lock, params.skip_special_tokens)
+                             if stream or params.stop else None)
         self._streamed = 0  # characters of text sent in increments
         # a stream holds back what may yet turn out to be the start of a stop string
         self._holdback = max(map(len, params.stop), default=1) - 1
-        self._increments: queue.SimpleQueue = queue.SimpleQueue()
+        self._increments: list = []  # every increment so far (and a final error, if any)
+        self._changed = threading.Condition()  # guards _increments, _listeners and the finish
         self._listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
         self._done = threading.Event()
         self._output: dict | None = None
@@ -84,32 +97,68 @@ class RequestHandle:
         return self._done.is_set()
 
     def abort(self):
-        """End the request now and free its KV blocks; it finishes with finish_reason "abort"."""
-        self._engine._abort(self)
+        """End the request soon and free its KV blocks; it finishes with finish_reason "abort"."""
+        self._loop.post("abort", self)
 
     def result(self, timeout: float | None = None) -> dict:
-        """The same dict that `generate()` returns for this prompt."""
+        """The same dict that `generate()` returns for this prompt. A timeout leaves the request running:
+        call `abort()` to end it."""
+        self._loop.need_progress()
         if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s (it is still "
+                               "running: abort() ends it)")
         if self._error is not None:
             raise self._error
         return self._output
 
     def __iter__(self):
+        self._loop.need_progress()
+        index = 0
         while True:
-            item = self._increments.get()
+            with self._changed:
+                while index == len(self._increments):
+                    self._changed.wait()
+                item = self._increments[index]
+            index += 1
             if isinstance(item, BaseException):
                 raise item
             yield item
             if item["finished"]:
                 return
 
-    # ---- called by the engine's loop thread ---------------------------------------------------------
-    def _put(self, item):
-        self._increments.put(item)
-        for loop, async_queue in self._listeners:
-            loop.call_soon_threadsafe(async_queue.put_nowait, item)
+    def _add_listener(self, listener: tuple[asyncio.AbstractEventLoop, asyncio.Queue]):
+        with self._changed:
+            self._listeners.append(listener)
+            for item in self._increments:  # whatever came before the listener
+                listener[0].call_soon_threadsafe(listener[1].put_nowait, item)
 
+    def _remove_listener(self, listener):
+        with self._changed:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def _put(self, item, last: bool = False, output: dict | None = None) -> bool:
+        """Record an increment (or an error) and wake every reader; the last one finishes the handle with
+        `output` (or the error). False, and nothing changes, once the handle has finished."""
+        with self._changed:
+            if self._done.is_set():
+                return False
+            if last:
+                self._output = output
+                self._error = item if isinstance(item, BaseException) else None
+            self._increments.append(item)
+            for listener in list(self._listeners):
+                loop, queue = listener
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+                except RuntimeError:  # its event loop has closed: nobody can read it any more
+                    self._listeners.remove(listener)
+            if last:
+                self._done.set()
+            self._changed.notify_all()
+        return True
+
+    # ---- called by whoever steps the engine ---------------------------------------------------------
     def _on_token(self, token_id: int) -> bool:
         """Take a sampled token; True when it completed a stop string (the text is then cut before it)."""
         seq, detokenizer = self.seq, self._detokenizer
@@ -129,11 +178,14 @@ class RequestHandle:
         return False
 
     def _on_finish(self, last_token_ids: list[int]):
-        self._output = output = self._make_output()
-        if self._stream:
-            self._put({"token_ids": last_token_ids, "text": output["text"][self._streamed:], "finished": True,
-                       "finish_reason": output["finish_reason"], "stop_reason": output["stop_reason"]})
-        self._done.set()
+        if self.finished:
+            return
+        output = self._make_output()
+        if not self._stream:  # the one increment of a handle nobody streamed: the whole completion
+            last_token_ids = output["token_ids"]
+        self._put({"token_ids": last_token_ids, "text": output["text"][self._streamed:], "finished": True,
+                   "finish_reason": output["finish_reason"], "stop_reason": output["stop_reason"]},
+                  last=True, output=output)
 
     def _make_output(self) -> dict:
         seq = self.seq
@@ -141,8 +193,9 @@ class RequestHandle:
         if isinstance(seq.stop_reason, str):
             text = self._detokenizer.text  # cut before the stop string
         else:  # nor is the text of an EOS or stop token part of it
-            text = self._engine.decode(token_ids[:-1] if seq.finish_reason == "stop" else token_ids,
-                                       seq.params.skip_special_tokens)
+            with self._tokenizer_lock:
+                text = self._tokenizer.decode(token_ids[:-1] if seq.finish_reason == "stop" else token_ids,
+                                              skip_special_tokens=seq.params.skip_special_tokens)
         return {
             "text": text,
             "token_ids": token_ids,
@@ -153,44 +206,103 @@ class RequestHandle:
         }
 
     def _on_error(self, error: BaseException):
-        self._error = error
-        self._put(error)
-        self._done.set()
+        self._put(error, last=True)
 
 
 class EngineLoop:
-    """The background thread that runs steps while there is work and sleeps when there is none.
+    """The requests of one engine, and the background thread that runs steps while there is work.
 
-    It holds the engine only weakly between iterations, so a dropped engine can still be collected.
+    It owns the inbox (requests and aborts not yet taken in) and the handles in flight, so that `close()` and
+    a dying thread can finish them without the engine. The thread holds the engine only weakly between
+    iterations, so a dropped engine can still be collected; `step_lock` keeps a caller's `step()` and the
+    thread from stepping at once.
     """
 
-    def __init__(self):
+    def __init__(self, engine):
+        self.engine_ref = weakref.ref(engine)
         self.cond = threading.Condition()
         self.inbox: list[tuple[str, RequestHandle]] = []
+        self.handles: dict[int, RequestHandle] = {}  # taken into the scheduler, not yet finished
+        self.step_lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.error: BaseException | None = None  # why the thread stopped, when it was not asked to
 
-    def start(self, engine):
-        if self.thread is None:  # called under self.cond
-            self.thread = threading.Thread(target=self._run, args=(weakref.ref(engine),), daemon=True,
-                                           name="nanovllm-engine-loop")
-            self.thread.start()
+    def post(self, kind: str, *handles: RequestHandle):
+        """Queue new requests ("add") or aborts for whoever steps next; a closed or dead engine takes no
+        new request (checked under the lock that `finish_all` empties the inbox under, so none is lost)."""
+        with self.cond:
+            if kind == "add":
+                self.check()
+            elif self.stopping or self.error is not None:
+                return  # every request has been finished already
+            self.inbox.extend((kind, h) for h in handles)
+            self.cond.notify()
 
-    def _run(self, engine_ref):
-        while True:
-            engine = engine_ref()
-            if engine is None or self.stopping:
-                return
-            busy = engine._run_once()
-            del engine
-            if not busy:
-                with self.cond:
-                    if not self.inbox and not self.stopping:
-                        self.cond.wait(timeout=1.0)
+    def take_inbox(self) -> list[tuple[str, RequestHandle]]:
+        with self.cond:
+            inbox, self.inbox = self.inbox, []
+        return inbox
 
-    def stop(self):
+    def need_progress(self):
+        """A reader waits for a request: make sure someone steps (a request from `add_request` is stepped by
+        its caller's `step()`, until a reader waits for it)."""
+        if self.thread is None and self.engine_ref() is not None and not self.stopping:
+            self.start()
+
+    def check(self):
+        """Raise when the engine can take no more work, naming why."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine's loop thread stopped on an error: {self.error!r}; close this "
+                               "engine and start a new one") from self.error
+        if self.stopping:
+            raise RuntimeError("the engine is closed")
+
+    def start(self):
+        """Start the thread once (it then sleeps whenever there is no work) and wake it."""
+        with self.cond:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, daemon=True, name="nanovllm-engine-loop")
+                self.thread.start()
+            self.cond.notify()
+
+    def _run(self):
+        try:
+            while True:
+                engine = self.engine_ref()
+                if engine is None or self.stopping:
+                    return
+                busy = engine._run_once()
+                del engine
+                if not busy:
+                    with self.cond:
+                        if not self.inbox and not self.stopping:
+                            self.cond.wait(timeout=1.0)
+        except BaseException as error:  # a bug, not a failed step (those fail their requests): never silent
+            with self.cond:
+                self.error = error
+            self.finish_all(error=RuntimeError(f"the engine's loop thread stopped on an error: {error!r}"))
+
+    def finish_all(self, error: BaseException | None = None):
+        """End every request not yet finished: with `error`, or else as aborted."""
+        for kind, handle in self.take_inbox() + [("add", h) for h in list(self.handles.values())]:
+            if kind != "add":
+                continue
+            if error is not None:
+                handle._on_error(error)
+            else:
+                handle.seq.finish_reason = handle.seq.finish_reason or "abort"
+                handle._on_finish([])
+        self.handles.clear()
+
+    def stop(self, timeout: float) -> bool:
+        """Abort every request at once, then let the thread finish its step (waiting at most `timeout` s);
+        True when no step is running any more."""
         with self.cond:
             self.stopping = True
             self.cond.notify()
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join()
+        self.finish_all()
+        if self.thread is None or self.thread is threading.current_thread():
+            return True
+        self.thread.join(timeout)
+        return not self.thread.is_alive()

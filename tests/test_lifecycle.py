@@ -1,0 +1,293 @@
+"""No call waits forever: failures reach every waiting request, close() ends what runs, bad input is named,
+and nano-vllm's own add_request/step loop runs with nobody stepping beside it."""
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)  # runs for over 10 s on the tiny model
+ABORTED_WITHIN = 5  # seconds: an aborted LONG request is gone well before it could have finished
+PROMPT = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    with LLM(tiny_model, kvcache_block_size=16) as engine:
+        yield engine
+
+
+def within(seconds: float, fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a thread: its result or its exception, or a failure if it is still blocked."""
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = fn(*args, **kwargs)
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {seconds} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def wait_until(condition, seconds: float = 30):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def assert_idle_and_clean(llm: LLM, seconds: float = 30):
+    wait_until(llm.is_finished, seconds)
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def script_tokens(monkeypatch, llm: LLM, script: list[int]):
+    """The model "samples" script[i] as the i-th completion token of every sequence."""
+    def run(seqs):
+        return [script[seq.num_completion_tokens] for seq in seqs if seq.samples_this_step], None
+    monkeypatch.setattr(llm.model_runner, "run", run)
+
+
+# ---- listeners, streams and handles -------------------------------------------------------------------
+def test_leaving_an_async_stream_early_aborts_it(llm):
+    async def first_increment():
+        async for increment in llm.stream(PROMPT, LONG):
+            return increment  # the generator is closed when asyncio.run shuts down
+
+    for _ in range(3):
+        assert asyncio.run(first_increment())["finished"] is False
+    assert_idle_and_clean(llm, ABORTED_WITHIN)  # the abandoned requests were aborted
+    out = within(30, llm.generate, [PROMPT], GREEDY)
+    assert len(out[0]["token_ids"]) == 8
+
+
+def test_a_listener_whose_event_loop_closed_is_dropped(llm):
+    loop = asyncio.new_event_loop()
+    stream = llm.stream(PROMPT, LONG)
+    assert loop.run_until_complete(stream.__anext__())["finished"] is False
+    loop.close()  # the generator is never finalized: its listener stays registered with a closed loop
+    beside = llm.submit([8, 9], LONG)
+    increments = iter(beside)
+    for _ in range(20):  # the engine keeps producing increments for both
+        assert within(10, next, increments)["finished"] is False
+    assert llm.stats()["num_running"] == 2  # the request whose listener died runs on
+    beside.abort()
+    assert within(10, beside.result)["finish_reason"] == "abort"  # not failed by the dead listener
+    out = within(30, llm.generate, [PROMPT], GREEDY)
+    assert len(out[0]["token_ids"]) == 8
+    del stream
+
+
+def test_a_handle_can_be_iterated_again(llm):
+    streamed = llm.submit(PROMPT, GREEDY)
+    first = within(30, list, streamed)
+    assert within(5, list, streamed) == first and first[-1]["finished"]
+    assert sum((i["token_ids"] for i in first), []) == streamed.result()["token_ids"]
+    assert "".join(i["text"] for i in first) == llm.generate([PROMPT], GREEDY)[0]["text"]
+
+
+@pytest.mark.parametrize("wait", ["iterate", "result"])
+def test_waiting_on_an_added_request_steps_it(tiny_model, wait):
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        handle = llm.add_request(PROMPT, GREEDY)  # nobody steps it: waiting on it makes the engine do so
+        if wait == "iterate":
+            (only,) = within(30, list, handle)  # a handle that was not streamed yields its whole completion
+            assert within(5, list, handle) == [only]
+        out = within(30, handle.result)
+        assert out["finish_reason"] == "length" and len(out["token_ids"]) == 8
+        if wait == "iterate":
+            assert only["token_ids"] == out["token_ids"] and only["text"] == out["text"]
+
+
+def test_result_timeout_leaves_the_request_running(llm):
+    handle = llm.submit(PROMPT, LONG)
+    with pytest.raises(TimeoutError, match="still running"):
+        handle.result(timeout=0.05)
+    assert not handle.finished
+    handle.abort()
+    assert within(10, handle.result)["finish_reason"] == "abort"
+
+
+# ---- close() -----------------------------------------------------------------------------------------
+def test_close_ends_every_waiting_call(tiny_model):
+    llm = LLM(tiny_model, kvcache_block_size=16)
+    streamed = llm.submit(PROMPT, LONG)
+    increments = []
+
+    def consume():
+        for increment in streamed:
+            increments.append(increment)
+
+    async def consume_async():
+        return [increment async for increment in llm.stream([8, 9], LONG)]
+
+    outcomes = {}
+    threads = [threading.Thread(target=consume, daemon=True),  # daemons: a failure here must not hang pytest
+               threading.Thread(target=lambda: outcomes.update(generate=llm.generate([[4, 5]] * 3, LONG)),
+                                daemon=True),
+               threading.Thread(target=lambda: outcomes.update(stream=asyncio.run(consume_async())), daemon=True)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: len(increments) >= 3 and llm.stats()["num_running"] == 5)
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 15
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
+    assert increments[-1]["finished"] and increments[-1]["finish_reason"] == "abort"
+    assert [o["finish_reason"] for o in outcomes["generate"]] == ["abort"] * 3
+    assert all(0 < len(o["token_ids"]) < 3000 for o in outcomes["generate"])
+    assert outcomes["stream"][-1]["finish_reason"] == "abort"
+    assert streamed.result(timeout=0)["finish_reason"] == "abort"
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([PROMPT], GREEDY)
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.add_request(PROMPT, GREEDY)
+
+
+def test_a_request_racing_close_is_refused_not_lost(tiny_model, monkeypatch):
+    llm = LLM(tiny_model, kvcache_block_size=16)
+    monkeypatch.setattr(llm, "check_workers", lambda: None)  # as if close() ran right after this check
+    llm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.submit(PROMPT, GREEDY)
+
+
+# ---- failures ----------------------------------------------------------------------------------------
+def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves_on(tiny_model, monkeypatch):
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        expected = llm.generate([PROMPT], GREEDY)[0]["token_ids"]
+        real_run, faults = llm.model_runner.run, []
+
+        def failing_run(seqs):
+            if len(seqs) == 3 and not faults:  # once all three requests below are in flight
+                faults.append(seqs)
+                raise RuntimeError("injected fault")
+            return real_run(seqs)
+
+        monkeypatch.setattr(llm.model_runner, "run", failing_run)
+        streamed = llm.submit(PROMPT, LONG)
+        with pytest.raises(RuntimeError, match="injected fault"):
+            within(30, llm.generate, [[4, 5], [6]], LONG)
+        with pytest.raises(RuntimeError, match="injected fault"):
+            within(5, list, streamed)
+        with pytest.raises(RuntimeError, match="injected fault"):
+            streamed.result(timeout=5)
+        assert_idle_and_clean(llm)
+        assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
+
+
+def test_a_dead_loop_thread_fails_its_requests_and_names_why(tiny_model, monkeypatch):
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        handle = llm.submit(PROMPT, LONG)
+        within(30, next, iter(handle))
+
+        def broken_take_inbox():
+            raise ValueError("a bug outside any step")
+
+        monkeypatch.setattr(llm, "_take_inbox", broken_take_inbox)
+        with pytest.raises(RuntimeError, match="loop thread stopped .*a bug outside any step"):
+            within(10, handle.result)
+        for call in (lambda: llm.generate([PROMPT], GREEDY), lambda: llm.submit(PROMPT), llm.step):
+            with pytest.raises(RuntimeError, match="loop thread stopped .*a bug outside any step"):
+                within(5, call)
+
+
+def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(llm):
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT, [8, 9]], LONG)
+    timer.join()
+    assert time.monotonic() - started < 10
+    assert_idle_and_clean(llm, ABORTED_WITHIN)  # the interrupted requests were aborted
+    assert len(within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"]) == 8
+
+
+# ---- user mistakes -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompts, params, match", [
+    (["a"], {"max_tokens": 3}, r"sampling_params must be a SamplingParams or a list .* not dict"),
+    (["a"], 3, "sampling_params must be .* not int"),
+    (None, None, "prompts must be .* not NoneType"),
+    ((p for p in ["a"]), None, r"prompts must be .* not generator \(pass list"),
+    (5, None, "prompts must be .* not int"),
+    ([[1, 2], 5], None, "a prompt must be a str or a list of token ids, not int"),
+    ([[1, 2.5]], None, "a token-id prompt must be a list of ints"),
+    ([[True, 2]], None, "a token-id prompt must be a list of ints"),
+])
+def test_bad_calls_name_what_was_given(llm, prompts, params, match):
+    with pytest.raises(TypeError, match=match):
+        llm.generate(prompts, params)
+    assert llm.is_finished()
+    assert len(llm.generate([PROMPT], GREEDY)[0]["token_ids"]) == 8
+
+
+def test_numpy_integers_are_token_ids(llm):
+    expected = llm.generate([PROMPT], GREEDY)[0]["token_ids"]
+    for prompt in (np.array(PROMPT), np.array(PROMPT, dtype=np.int32), [np.int64(t) for t in PROMPT]):
+        assert llm.generate([prompt], GREEDY)[0]["token_ids"] == expected
+        assert llm.submit(prompt, GREEDY).result(timeout=30)["token_ids"] == expected
+    assert [o["token_ids"] for o in llm.generate(np.array([PROMPT, PROMPT]), GREEDY)] == [expected] * 2
+    assert [o["token_ids"] for o in llm.generate(PROMPT, GREEDY)] == [expected]  # one prompt, as in vLLM
+    stop_at = expected.index(expected[3]) + 1
+    params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=np.array([expected[3]]),
+                            min_tokens=np.int64(0))
+    out = llm.generate([PROMPT], params)[0]
+    assert out["token_ids"] == expected[:stop_at] and out["stop_reason"] == expected[3]
+    assert isinstance(out["stop_reason"], int)
+
+
+# ---- nano-vllm's loop ----------------------------------------------------------------------------------
+def test_nano_vllm_add_request_step_loop(tiny_model):
+    prompts = [[3 + i, 40 + i, 7] * (i + 1) for i in range(16)]
+    with LLM(tiny_model, kvcache_block_size=16, max_num_batched_tokens=64) as llm:
+        request_ids = [llm.add_request(prompt, GREEDY).request_id for prompt in prompts]
+        outputs, kinds = {}, set()
+        while not llm.is_finished():
+            finished, num_tokens = llm.step()
+            kinds.add(num_tokens > 0)
+            outputs.update(finished)
+        assert llm._loop.thread is None  # the caller alone stepped
+        assert kinds == {True, False}  # prefill steps count tokens, decode steps minus sequences
+        expected = llm.generate(prompts, GREEDY)
+    assert [outputs[i] for i in request_ids] == [o["token_ids"] for o in expected]
+
+
+# ---- stop strings --------------------------------------------------------------------------------------
+W, Q, A, B = 89, 83, 67, 68  # "w", "q", "a", "b" in the tiny tokenizer
+
+
+@pytest.mark.parametrize("script, min_tokens, text, reason", [
+    ([A, W, B, B, B, B, B, B, B, B], 6, "awbbbbbbbb", "length"),  # a "w" before min_tokens is never found again
+    ([A, W, B, B, B, B, W, B, B, B], 6, "awbbbb", "stop"),  # the next one, after min_tokens, ends it
+    ([A, B, B, B, B, W, B, B, B, B], 6, "abbbb", "stop"),  # the 6th token may end it
+    ([A, W, B, B, B, B, B, B, B, B], 0, "a", "stop"),
+])
+def test_each_stop_string_is_found_once_after_min_tokens(tiny_model, monkeypatch, script, min_tokens, text,
+                                                         reason):
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        script_tokens(monkeypatch, llm, script)
+        params = SamplingParams(max_tokens=10, min_tokens=min_tokens, stop=["w", "q" * 30])
+        out = llm.generate([PROMPT], params)[0]
+        streamed = llm.submit(PROMPT, params)
+        pieces = [increment["text"] for increment in within(30, list, streamed)]
+    assert out["text"] == text and out["finish_reason"] == reason
+    assert out["stop_reason"] == ("w" if reason == "stop" else None)
+    assert out["token_ids"] == script[:len(out["token_ids"])]
+    assert "".join(pieces) == text
