@@ -119,3 +119,16 @@ def test_append_slots_grows_block_table():
     assert len(seq.block_table) == 3
     seq.num_computed_tokens = 12
     assert not bm.can_append(seq)
+
+
+def test_a_cached_block_is_reused_only_after_the_same_prefix():
+    bm = BlockManager(16, BS)
+    w, x, y, z = [1] * BS, [2] * BS, [3] * BS, [4] * BS
+    for tokens in (w + y + [0], x + z + [0]):  # y's block is cached after w; x's block is cached too
+        seq = Sequence(tokens)
+        bm.allocate(seq)
+        computed(bm, seq)
+        bm.deallocate(seq)
+    seq = Sequence(x + y + [0])
+    assert bm.allocate(seq)
+    assert seq.num_cached_tokens == BS  # x only: this y follows x, so its KV differs from the cached one

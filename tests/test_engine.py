@@ -44,6 +44,16 @@ def test_text_prompts_and_per_prompt_params(tiny_model, hf_model):
     check_all(hf_model, [llm.tokenizer.encode(p) for p in prompts], outputs)
 
 
+def test_a_cached_block_is_reused_only_after_the_same_prefix(tiny_model, hf_model):
+    llm = LLM(tiny_model, kvcache_block_size=16)
+    rng = random.Random(3)
+    w, x, y, z = ([rng.randrange(3, 500) for _ in range(16)] for _ in range(4))
+    llm.generate([w + y + [7], x + z + [7]], GREEDY, use_tqdm=False)  # y's KV is cached after w
+    out = llm.generate([x + y + [7]], GREEDY, use_tqdm=False)[0]
+    assert out["num_cached_tokens"] == 16  # x's block only
+    assert_greedy_matches_hf(hf_model, x + y + [7], out["token_ids"])
+
+
 def test_prefix_cache_hits_keep_tokens(tiny_model, hf_model):
     llm = LLM(tiny_model, kvcache_block_size=16)
     shared = mixed_prompts()[-1][:64]

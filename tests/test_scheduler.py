@@ -121,3 +121,17 @@ def test_finish_at_max_model_len(tiny_model):
     while not seq.is_finished:
         step(s)
     assert seq.finish_reason == "length" and len(seq) == 6
+
+
+def test_a_preempted_sequence_goes_back_first(tiny_model):
+    s = make_scheduler(tiny_model, num_kvcache_blocks=2, max_model_len=48)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)  # a fits in two blocks
+    a, b, c = Sequence([9] * 16, params), Sequence([8] * 16, params), Sequence([7] * 16, params)
+    for seq in (a, b, c):
+        s.add(seq)
+    assert step(s)[0] == {a.seq_id: 16, b.seq_id: 16}  # c waits: no block left
+    assert step(s)[0] == {a.seq_id: 1}  # a's decode needs a second block: b is preempted
+    assert list(s.waiting) == [b, c]  # ahead of c, which arrived after it
+    while not a.is_finished:
+        step(s)
+    assert step(s)[0] == {b.seq_id: 17}
