@@ -1,0 +1,136 @@
+"""The public API under random interleavings: submits consumed fast, slowly or abandoned, aborts, generate
+from two threads at once, under random block sizes, token budgets and caches small enough to preempt.
+Every call ends in time, every handle finishes exactly once, the cache is whole again when idle, and greedy
+or seeded outputs equal those of the same request run alone."""
+import threading
+import time
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import default_checkpoint
+
+TIMEOUT = 60  # seconds any one call may take on a slow CI machine
+PROMPTS = st.lists(st.integers(3, 500), min_size=1, max_size=40)
+PARAMS = st.builds(
+    lambda seed, max_tokens, ignore_eos: SamplingParams(
+        temperature=0 if seed is None else 0.9, seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos),
+    st.none() | st.integers(0, 1000), st.integers(1, 24), st.booleans())
+
+
+class Request:
+    """A submitted request, what its consumer saw, and how it is read."""
+
+    def __init__(self, prompt, params, handle, mode):
+        self.prompt, self.params, self.handle, self.mode = prompt, params, handle, mode
+        self.increments: list[dict] = []
+        self.aborted = False
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
+
+    def read(self):
+        for increment in self.handle:
+            self.increments.append(increment)
+            if self.mode == "slow":
+                time.sleep(0.005)
+            if self.mode == "abandoned":
+                return
+
+
+class ApiMachine(RuleBasedStateMachine):
+
+    @initialize(block_size=st.sampled_from([16, 32]), num_blocks=st.integers(3, 8),
+                budget=st.integers(16, 128), prefill_first=st.booleans())
+    def build(self, block_size, num_blocks, budget, prefill_first):
+        self.llm = LLM(str(default_checkpoint("tiny")), kvcache_block_size=block_size,
+                       num_kvcache_blocks=num_blocks, max_num_batched_tokens=budget, prefill_first=prefill_first)
+        self.requests: list[Request] = []
+        self.batches: list[tuple[list, list, list[dict]]] = []  # generate calls: prompts, params, outputs
+
+    @rule(prompt=PROMPTS, params=PARAMS, mode=st.sampled_from(["fast", "slow", "abandoned", "result"]))
+    def submit(self, prompt, params, mode):
+        self.requests.append(Request(prompt, params, self.llm.submit(prompt, params), mode))
+
+    @precondition(lambda self: any(not r.handle.finished for r in self.requests))
+    @rule(data=st.data())
+    def abort(self, data):
+        request = data.draw(st.sampled_from([r for r in self.requests if not r.handle.finished]))
+        request.aborted = True
+        request.handle.abort()
+
+    @rule(first=st.lists(st.tuples(PROMPTS, PARAMS), min_size=1, max_size=4),
+          second=st.lists(st.tuples(PROMPTS, PARAMS), min_size=1, max_size=4))
+    def generate_from_two_threads(self, first, second):
+        outputs = [None, None]
+
+        def generate(i, batch):
+            outputs[i] = self.llm.generate([p for p, _ in batch], [s for _, s in batch])
+
+        threads = [threading.Thread(target=generate, args=(i, batch), daemon=True)
+                   for i, batch in enumerate((first, second))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(TIMEOUT)
+            assert not thread.is_alive(), "generate did not return in time"
+        for batch, out in zip((first, second), outputs):
+            assert out is not None and len(out) == len(batch)
+            self.batches.append(([p for p, _ in batch], [s for _, s in batch], out))
+
+    @rule()
+    def wait_until_idle(self):
+        self._wait_idle()
+
+    def _wait_idle(self):
+        for request in self.requests:
+            request.handle.result(timeout=TIMEOUT)
+            request.reader.join(TIMEOUT)
+            assert not request.reader.is_alive(), "a reader is still blocked on a finished handle"
+        deadline = time.monotonic() + TIMEOUT
+        while not self.llm.is_finished():
+            assert time.monotonic() < deadline, "the engine did not go idle"
+            time.sleep(0.005)
+        stats = self.llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+    @invariant()
+    def nothing_finished_twice(self):
+        for request in getattr(self, "requests", []):
+            finals = [i for i in request.increments if i["finished"]]
+            assert len(finals) <= 1 and (not finals or request.increments[-1] is finals[0])
+
+    def teardown(self):
+        if not hasattr(self, "llm"):
+            return
+        try:
+            self._wait_idle()
+            alone = {}
+
+            def run_alone(prompt, params):
+                key = (tuple(prompt), repr(params))
+                if key not in alone:
+                    alone[key] = self.llm.generate([prompt], params)[0]
+                return alone[key]
+
+            for request in self.requests:
+                out = request.handle.result(timeout=0)
+                again = list(request.handle)  # a second reading replays every increment
+                assert [i for i in again if i["finished"]] == [again[-1]]
+                if request.mode != "abandoned":
+                    assert again == request.increments
+                assert sum((i["token_ids"] for i in again), []) == out["token_ids"]
+                reference = run_alone(request.prompt, request.params)["token_ids"]
+                if out["finish_reason"] == "abort":
+                    assert request.aborted and out["token_ids"] == reference[:len(out["token_ids"])]
+                else:
+                    assert out["token_ids"] == reference
+            for prompts, params, outputs in self.batches:
+                for prompt, p, out in zip(prompts, params, outputs):
+                    assert out["token_ids"] == run_alone(prompt, p)["token_ids"]
+        finally:
+            self.llm.close()
+
+
+ApiMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=12, deadline=None)
+test_public_api_under_random_interleavings = ApiMachine.TestCase

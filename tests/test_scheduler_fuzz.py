@@ -1,0 +1,146 @@
+"""The scheduler and the block manager under thousands of random operations, with every invariant checked
+after each: block accounting, reference counts, the prefix cache, queue membership, and each request
+finishing exactly once within its limits."""
+from collections import Counter
+from types import SimpleNamespace
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from nanovllm import SamplingParams
+from nanovllm.engine.block_manager import compute_hash
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+EOS, STOP = 1, 2
+# prompts are made of a few 4-token pieces, so they share prefixes and the prefix cache gets hits
+PROMPTS = st.builds(lambda pieces, tail: sum(pieces, []) + tail,
+                    st.lists(st.sampled_from([[0, 3, 4, 5], [3, 3, 3, 3], [5, 4, 3, 0]]), max_size=4),
+                    st.lists(st.integers(0, 5), min_size=1, max_size=5))
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+
+    @initialize(block_size=st.sampled_from([4, 8]), num_blocks=st.integers(4, 16),
+                budget=st.integers(4, 64), max_num_seqs=st.integers(2, 8), prefill_first=st.booleans())
+    def build(self, block_size, num_blocks, budget, max_num_seqs, prefill_first):
+        config = SimpleNamespace(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, prefill_first=prefill_first,
+            max_model_len=num_blocks * block_size, eos_token_ids=(EOS,), num_kvcache_blocks=num_blocks,
+            kvcache_block_size=block_size)
+        self.scheduler = Scheduler(config)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.live: list[Sequence] = []  # added, not yet finished
+        self.finished = Counter()
+
+    @rule(prompt=PROMPTS, max_tokens=st.integers(1, 24),
+          min_tokens=st.integers(0, 3), ignore_eos=st.booleans())
+    def add(self, prompt, max_tokens, min_tokens, ignore_eos):
+        prompt = prompt[:self.scheduler.max_model_len]  # the engine refuses longer prompts up front
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
+                                ignore_eos=ignore_eos, stop_token_ids=[STOP])
+        seq = Sequence(prompt, params)
+        self.scheduler.add(seq)
+        self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def step(self, data):
+        seqs = self.scheduler.schedule()
+        assert seqs or not self.scheduler.running, "running sequences but nothing scheduled"
+        assert sum(seq.num_scheduled_tokens for seq in seqs) <= self.scheduler.max_num_batched_tokens
+        for seq in seqs:
+            assert 0 < seq.num_scheduled_tokens <= seq.num_tokens - seq.num_computed_tokens
+            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens + seq.num_scheduled_tokens
+        num_samples = sum(seq.samples_this_step for seq in seqs)
+        tokens = data.draw(st.lists(st.integers(0, 63), min_size=num_samples, max_size=num_samples))
+        sampled = [seq for seq in seqs if seq.samples_this_step]
+        done = self.scheduler.postprocess(seqs, tokens)
+        # the engine ends a request whose text completed a stop string (not before min_tokens)
+        for seq in sampled:
+            if (not seq.is_finished and seq.num_completion_tokens >= seq.params.min_tokens
+                    and data.draw(st.integers(0, 19)) == 0):
+                seq.stop_reason = "a stop string"
+                self.scheduler.finish(seq, "stop")
+                done.append(seq)
+        self._finish(done)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), now=st.integers(0, 3))
+    def abort(self, data, now):
+        if now:  # aborts are rarer than steps, so that requests also run to their end
+            return
+        seq = data.draw(st.sampled_from(self.live))
+        self.scheduler.abort(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self._finish([seq])
+
+    def _finish(self, seqs):
+        for seq in seqs:
+            self.finished[seq.seq_id] += 1
+            assert self.finished[seq.seq_id] == 1, f"sequence {seq.seq_id} finished twice"
+            self.live.remove(seq)
+            assert seq.is_finished and seq.block_table == []
+            params, n = seq.params, seq.num_completion_tokens
+            max_model_len = self.scheduler.max_model_len  # a prompt of that length still gets one token
+            assert n <= params.max_tokens and seq.num_tokens <= max(max_model_len, seq.num_prompt_tokens + 1)
+            if seq.finish_reason == "length":
+                assert n == params.max_tokens or seq.num_tokens >= max_model_len
+            elif seq.finish_reason == "stop":
+                assert n >= params.min_tokens
+                if seq.stop_reason is None:  # EOS
+                    assert seq.last_token == EOS and not params.ignore_eos
+                elif seq.stop_reason == STOP:
+                    assert seq.last_token == STOP
+
+    @invariant()
+    def blocks_add_up(self):
+        if not hasattr(self, "scheduler"):
+            return
+        bm, s = self.scheduler.block_manager, self.scheduler
+        free = list(bm.free_block_ids)
+        assert len(free) == len(set(free)), "a block is free twice"
+        references = Counter(block_id for seq in s.running for block_id in seq.block_table)
+        used = [block.block_id for block in bm.blocks if block.ref_count > 0]
+        assert len(free) + len(used) == self.num_blocks
+        assert set(free).isdisjoint(used)
+        for block in bm.blocks:
+            assert block.ref_count == references[block.block_id], f"block {block.block_id} ref count"
+
+    @invariant()
+    def prefix_cache_is_truthful(self):
+        if not hasattr(self, "scheduler"):
+            return
+        bm = self.scheduler.block_manager
+        for h, block_id in bm.hash_to_block_id.items():
+            block = bm.blocks[block_id]
+            assert block.hash == h and len(block.token_ids) == self.block_size
+        for seq in self.scheduler.running:  # a hashed block holds its tokens, chained to the blocks before
+            prefix = -1
+            for i, block_id in enumerate(seq.block_table):
+                block = bm.blocks[block_id]
+                if block.hash == -1:
+                    break
+                assert (i + 1) * self.block_size <= seq.num_computed_tokens, "hashed before it was computed"
+                assert block.token_ids == seq.block(i, self.block_size)
+                assert block.hash == compute_hash(block.token_ids, prefix)
+                prefix = block.hash
+
+    @invariant()
+    def queues_are_consistent(self):
+        if not hasattr(self, "scheduler"):
+            return
+        s = self.scheduler
+        waiting, running = {seq.seq_id for seq in s.waiting}, {seq.seq_id for seq in s.running}
+        assert not waiting & running and len(waiting) == len(s.waiting) and len(running) == len(s.running)
+        assert waiting | running == {seq.seq_id for seq in self.live}
+        assert len(s.running) <= s.max_num_seqs
+        for seq in s.waiting:
+            assert seq.status == SequenceStatus.WAITING and seq.block_table == [] and seq.num_computed_tokens == 0
+        for seq in s.running:
+            assert seq.status == SequenceStatus.RUNNING and seq.num_scheduled_tokens == 0
+            assert seq.num_computed_tokens < seq.num_tokens <= len(seq.block_table) * self.block_size + 1
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=100, deadline=None)
+test_scheduler_under_random_operations = SchedulerMachine.TestCase
