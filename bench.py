@@ -41,26 +41,35 @@ def main():
                         for _ in range(args.num_seqs)]
     output_lens = [randint(args.min_len, args.max_output_len) for _ in range(args.num_seqs)]
 
+    model = args.model or f"random {args.shape or ('qwen3-0.6b' if torch.cuda.is_available() else 'tiny')}"
     if args.engine == "hf":
-        total_tokens, elapsed = run_hf(path, prompt_token_ids, args.hf_output_len, args.hf_batch_size)
+        print(f"Hugging Face generate on {model}: {len(prompt_token_ids)} prompts x {args.hf_output_len} new tokens",
+              flush=True)
+        total_tokens, elapsed, where = run_hf(path, prompt_token_ids, args.hf_output_len, args.hf_batch_size)
     else:
         llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
                   tensor_parallel_size=args.tp, prefill_first=args.prefill_first)
+        where = f"{llm.config.device}, {llm.config.dtype}, TP={args.tp}"
+        print(f"nano-vllm on {model} ({where}): {len(prompt_token_ids)} prompts, {sum(output_lens)} tokens to "
+              "generate", flush=True)
         sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
         t = time.perf_counter()
-        outputs = llm.generate(prompt_token_ids, sampling_params, use_tqdm=False)
+        outputs = llm.generate(prompt_token_ids, sampling_params)  # a progress bar when stderr is a terminal
         elapsed = time.perf_counter() - t
         total_tokens = sum(len(o["token_ids"]) for o in outputs)
     flags = "".join(f" ({f})" for f, on in (("eager", args.enforce_eager), ("prefill-first", args.prefill_first)) if on)
-    print(f"Engine: {args.engine}{flags}, Total: {total_tokens}tok, "
+    print(f"Engine: {args.engine}{flags} on {model} ({where}), Total: {total_tokens}tok, "
           f"Time: {elapsed:.2f}s, Throughput: {total_tokens / elapsed:.2f}tok/s")
 
 
-def run_hf(path: str, prompt_token_ids: list[list[int]], output_len: int, batch_size: int) -> tuple[int, float]:
-    """Hugging Face generate (sdpa), greedy, every prompt to exactly `output_len` new tokens."""
+def run_hf(path: str, prompt_token_ids: list[list[int]], output_len: int, batch_size: int
+           ) -> tuple[int, float, str]:
+    """Hugging Face generate (sdpa), greedy, every prompt to exactly `output_len` new tokens; returns the
+    tokens, the seconds and where it ran."""
     cuda = torch.cuda.is_available()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if cuda else torch.float32,
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                  attn_implementation="sdpa").to("cuda" if cuda else "cpu").eval()
     pad = model.config.pad_token_id or 0
 
@@ -81,7 +90,7 @@ def run_hf(path: str, prompt_token_ids: list[list[int]], output_len: int, batch_
             total += (out.size(1) - ids.size(1)) * ids.size(0)
     if cuda:
         torch.cuda.synchronize()
-    return total, time.perf_counter() - t
+    return total, time.perf_counter() - t, f"{model.device.type}, {str(dtype).removeprefix('torch.')}"
 
 
 if __name__ == "__main__":
