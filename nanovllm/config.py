@@ -5,7 +5,11 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.layers.attention import BACKEND_NAMES, FP8_DTYPE
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# vLLM's names: "auto" is the model's dtype; "fp8" means fp8_e4m3 (float8_e4m3fn, scaled per layer)
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
 
 
 @dataclass(slots=True)
@@ -22,7 +26,8 @@ class Config:
     num_kvcache_blocks: int = -1  # -1: size from memory; a positive value caps the cache
     device: str = "auto"  # "auto" | "cuda" | "cpu"
     dtype: str = "auto"  # "auto" | "float32" | "float16" | "bfloat16"
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # "auto" | "torch" | "flash-attn" | "triton" | "triton-decode"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" | "fp8_e4m3"
     seed: int = 0
     dist_port: int = 0  # rendezvous port of the tensor-parallel ranks; 0 picks a free one at start
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
@@ -56,6 +61,11 @@ class Config:
             raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {list(KV_CACHE_DTYPES)}")
+        if self.attention_backend not in ("auto", *BACKEND_NAMES):
+            raise ValueError(f"attention_backend={self.attention_backend!r} is unknown; valid ones are "
+                             f"{['auto', *BACKEND_NAMES]}")
 
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
@@ -72,6 +82,10 @@ class Config:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":

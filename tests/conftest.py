@@ -1,7 +1,14 @@
+import os
+
 import pytest
 import torch
 
-from nanovllm.utils.random_checkpoint import make_random_checkpoint
+if not torch.cuda.is_available():
+    # Triton kernels then run on CPU tensors through Triton's interpreter; it must be on before any kernel is
+    # defined, so here, ahead of every import of nanovllm's Triton modules
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nanovllm.utils.random_checkpoint import make_random_checkpoint  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,8 +20,7 @@ from nanovllm.config import Config
 from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.attention import Attention, AttentionMetadata, get_backend
-from nanovllm.layers.flash_attention import flash_attn_available
+from nanovllm.layers.attention import Attention, AttentionMetadata, get_backend, resolve_backend_name
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler
@@ -94,20 +93,12 @@ class ModelRunner:
                 self.loop()
 
     def _backend_name(self) -> str:
-        name = self.config.attention_backend
-        if name == "flash-attn" and self.config.device != "cuda":
-            raise ValueError(f"attention_backend='flash-attn' needs CUDA; device is {self.config.device!r}")
-        if name != "auto":
-            return name
-        if self.config.device == "cuda":
-            family = flash_attn_available()
-            # FA2's paged kernels need blocks of a multiple of 256; neither family runs float32
-            if family and self.dtype != torch.float32 and (family == "fa4" or self.block_size % 256 == 0):
-                return "flash-attn"
-            if self.rank == 0:
-                logger.warning("flash-attn cannot run here (%s): using the torch attention backend, which is slow "
-                               "on CUDA", "not importable" if family is None else "dtype or block size")
-        return "torch"
+        config = self.config
+        name, fallback = resolve_backend_name(config.attention_backend, config.device, self.dtype, self.block_size,
+                                              config.kv_cache_torch_dtype)
+        if fallback and self.rank == 0:
+            logger.warning(fallback)
+        return name
 
     def compile_small_ops(self):
         """Fuse the elementwise layers and the sampler with torch.compile (CUDA only), as nano-vllm does."""
@@ -190,8 +181,9 @@ class ModelRunner:
     def allocate_kv_cache(self):
         config, attn_layers = self.config, self.attn_layers
         num_kv_heads, head_dim = attn_layers[0].num_kv_heads, attn_layers[0].head_dim
-        self.backend.check(self.block_size, head_dim)
-        block_bytes = 2 * len(attn_layers) * self.block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        kv_dtype = config.kv_cache_torch_dtype  # FP8: one byte a value, so twice the tokens in the same memory
+        self.backend.check(self.block_size, head_dim, kv_dtype)
+        block_bytes = 2 * len(attn_layers) * self.block_size * num_kv_heads * head_dim * kv_dtype.itemsize
         num_blocks = self._num_kv_blocks(block_bytes)
         if self.world_size > 1:  # every rank must hold the same number of blocks
             t = torch.tensor([num_blocks], device=self.device)
@@ -209,7 +201,7 @@ class ModelRunner:
         config.num_kvcache_blocks = num_blocks
         # zeros, not empty: a kernel may read the rows past a sequence's end in its last block (then masked)
         self.kv_cache = torch.zeros(2, len(attn_layers), num_blocks, self.block_size, num_kv_heads, head_dim,
-                                    dtype=self.dtype, device=self.device)
+                                    dtype=kv_dtype, device=self.device)
         for i, layer in enumerate(attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -250,6 +242,7 @@ class ModelRunner:
             seq.num_scheduled_tokens = context_len - num_computed
         self.run([decode, prefill])
         self.run([prefill])
+        self.run([decode])  # a decode-only step: backends may have a kernel of its own
 
     # ---- a step -------------------------------------------------------------------------------------
     def prepare(self, seqs: list[Sequence]):

@@ -4,6 +4,11 @@ The KV cache of one layer is a pair of `[num_blocks, block_size, num_kv_heads, h
 batch is a set of query ranges over that cache (varlen): sequence i computes the tokens
 `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, which are the last ones of its `context_lens[i]` tokens. Prefill, prefill
 after a cached prefix, and decode (one query token) are all this one case.
+
+The cache holds the model's dtype, or FP8 (`float8_e4m3fn`, vLLM's `kv_cache_dtype="fp8"`) with one scale for
+keys and one for values per layer: the store writes `clamp(x / scale, -448, 448)` rounded to FP8, readers use
+`fp8 * scale`. The scales are 1.0, vLLM's default for checkpoints without calibrated ones (why not per head:
+benchmarks/decode_attention_notes.md).
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -11,6 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn; the store saturates there (a cast would give NaN)
 
 
 @dataclass(slots=True)
@@ -29,31 +37,48 @@ class AttentionBackend(ABC):
     """A kernel family for the KV-cache store and paged attention."""
     name: str
     supports_cuda_graphs = False  # True when forward reads only tensors (no host lists) and can be captured
+    supports_fp8_kv = False  # True when it can store into and read from an FP8 cache
 
-    def check(self, block_size: int, head_dim: int):
+    def check(self, block_size: int, head_dim: int, kv_cache_dtype: torch.dtype):
         """Raise ValueError when this backend cannot run with these settings."""
+        if kv_cache_dtype == FP8_DTYPE and not self.supports_fp8_kv:
+            raise ValueError(f"attention_backend={self.name!r} cannot read an FP8 KV cache "
+                             "(kv_cache_dtype='fp8'); use 'auto', 'triton' or 'torch'")
 
     @abstractmethod
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor): ...
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0): ...
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: this step's keys and values (already stored)."""
+
+
+def quantize_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """What the store writes: FP8 saturates at +-448 after dividing by the scale; other dtypes are a cast."""
+    if cache_dtype != FP8_DTYPE:
+        return x.to(cache_dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype) * scale if x.dtype == FP8_DTYPE else x.to(dtype)
 
 
 class TorchBackend(AttentionBackend):
     """Pure PyTorch, any device: the reference every other backend is tested against."""
     name = "torch"
+    supports_fp8_kv = True
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid]
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid]
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = quantize_kv(k[valid], k_scale, k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = quantize_kv(v[valid], v_scale, v_cache.dtype)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         query_lens = meta.query_lens_host
         context_lens = meta.context_lens_host
         num_heads, num_kv_heads = q.size(1), k.size(1)
@@ -64,8 +89,8 @@ class TorchBackend(AttentionBackend):
             if k_cache.numel():
                 block_size = k_cache.size(1)
                 blocks = meta.block_tables[i, :(context_len + block_size - 1) // block_size]
-                keys = k_cache[blocks].flatten(0, 1)[:context_len]
-                values = v_cache[blocks].flatten(0, 1)[:context_len]
+                keys = dequantize_kv(k_cache[blocks].flatten(0, 1)[:context_len], k_scale, q.dtype)
+                values = dequantize_kv(v_cache[blocks].flatten(0, 1)[:context_len], v_scale, q.dtype)
             else:  # no cache yet (a warm-up run): the context is this step's tokens
                 keys, values = k[start:end], v[start:end]
             if num_heads != num_kv_heads:
@@ -81,16 +106,48 @@ class TorchBackend(AttentionBackend):
         return out
 
 
-BACKEND_NAMES = ("torch", "flash-attn")
+# what each name means; "auto" picks one of them (resolve_backend_name)
+BACKEND_NAMES = ("torch", "flash-attn", "triton", "triton-decode")
 
 
 def get_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return TorchBackend()
-    if name == "flash-attn":
-        from nanovllm.layers.flash_attention import FlashAttnBackend  # imports flash-attn only when asked for
-        return FlashAttnBackend()
+    if name in ("flash-attn", "triton-decode"):  # imports flash-attn only when asked for
+        from nanovllm.layers.flash_attention import FlashAttnBackend
+        return FlashAttnBackend(triton_decode=name == "triton-decode")
+    if name == "triton":
+        from nanovllm.layers.triton_attention import TritonBackend
+        return TritonBackend()
     raise ValueError(f"attention_backend={name!r} is unknown; valid ones are {['auto', *BACKEND_NAMES]}")
+
+
+def resolve_backend_name(name: str, device: str, dtype: torch.dtype, block_size: int,
+                         kv_cache_dtype: torch.dtype) -> tuple[str, str | None]:
+    """The backend to build for `attention_backend=name`, and why "auto" fell back to a slow one (or None).
+
+    "auto" on CUDA: flash-attn-4 for prefill and mixed steps with the Triton decode kernel on the GPUs where
+    benchmarks/decode_attention.py measured it faster than flash-attn-4's decode ("triton-decode"), flash-attn
+    alone elsewhere; "triton" when the cache is FP8 (flash-attn cannot read it), the dtype is float32, or
+    flash-attn does not import; torch when Triton does not work either. Any other device: torch."""
+    if name not in ("auto", *BACKEND_NAMES):
+        raise ValueError(f"attention_backend={name!r} is unknown; valid ones are {['auto', *BACKEND_NAMES]}")
+    if name not in ("auto", "torch") and device != "cuda":
+        raise ValueError(f"attention_backend={name!r} needs CUDA; device is {device!r}")
+    if name != "auto":
+        return name, None
+    if device != "cuda":
+        return "torch", None
+    from nanovllm.layers.flash_attention import flash_attn_available, triton_decode_measured_faster
+    from nanovllm.layers.triton_attention import triton_available
+    family = flash_attn_available() if kv_cache_dtype != FP8_DTYPE and dtype != torch.float32 else None
+    if family == "fa4":
+        return ("triton-decode" if triton_available() and triton_decode_measured_faster() else "flash-attn"), None
+    if family == "fa2" and block_size % 256 == 0:  # FA2's paged kernels need blocks of a multiple of 256
+        return "flash-attn", None
+    if triton_available():
+        return "triton", None
+    return "torch", "neither flash-attn nor Triton can run here: the torch attention backend is slow on CUDA"
 
 
 class Attention(nn.Module):
@@ -102,12 +159,14 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache = self.v_cache = torch.tensor([])  # set by the model runner
         self.backend: AttentionBackend = TorchBackend()  # set by the model runner
+        self.k_scale = self.v_scale = 1.0  # of an FP8 cache: stored = clamp(x / scale), read = stored * scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.k_cache.numel():
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                       self.k_scale, self.v_scale)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return o.flatten(1, 2)

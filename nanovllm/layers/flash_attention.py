@@ -11,6 +11,10 @@ Two kernel families, picked once when the backend is built:
 - "fa2": the flash-attn 2 API (`flash_attn_varlen_func` with `block_table`, `flash_attn_with_kvcache` for
   batches of single-token queries). Its paged KV needs a block size that is a multiple of 256.
 
+With `triton_decode=True` (attention_backend="triton-decode"), decode-only steps go to the Triton split-KV
+kernel (`nanovllm.layers.triton_attention`) instead, on the GPUs where it measured faster; flash-attn keeps
+prefill and mixed steps. Neither family reads an FP8 cache.
+
 The kernels only read the block-table entries of blocks below `ceil(context_len / block_size)`, so the -1
 padding is passed as it is. FA4 reads whole pages when a page is exactly one key tile (block size 128 on
 sm90 with head_dim <= 128): the rows past a sequence's end in its last block must then hold finite values,
@@ -26,6 +30,13 @@ from nanovllm.layers import triton_kvstore
 
 FA2_BLOCK_MULTIPLE = 256
 MAX_HEAD_DIM = 256
+# GPUs (compute capability) where benchmarks/decode_attention.py measured the Triton decode kernel faster than
+# flash-attn-4's at every shape of its table: H200 (sm90), 2026-11-29
+TRITON_DECODE_FASTER_ON = {(9, 0)}
+
+
+def triton_decode_measured_faster() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() in TRITON_DECODE_FASTER_ON
 
 
 @cache
@@ -64,7 +75,7 @@ class FlashAttnBackend(AttentionBackend):
     name = "flash-attn"
     supports_cuda_graphs = True  # forward reads only device tensors and fixed host integers
 
-    def __init__(self, family: str | None = None):
+    def __init__(self, family: str | None = None, triton_decode: bool = False):
         if family not in (None, "fa4", "fa2"):
             raise ValueError(f"flash-attn family={family!r} must be 'fa4', 'fa2' or None (the best available)")
         if family is None:
@@ -77,8 +88,15 @@ class FlashAttnBackend(AttentionBackend):
             raise ValueError(f"flash-attn family {family!r} is unusable here: {reason}")
         self.family = family
         self._kernels = _import_family(family)[0]
+        self._decode = None
+        if triton_decode:
+            from nanovllm.layers.triton_attention import decode_attention, triton_available
+            if not triton_available():
+                raise ValueError("attention_backend='triton-decode' needs a working Triton")
+            self.name, self._decode = "triton-decode", decode_attention
 
-    def check(self, block_size: int, head_dim: int):
+    def check(self, block_size: int, head_dim: int, kv_cache_dtype: torch.dtype):
+        super().check(block_size, head_dim, kv_cache_dtype)
         if head_dim % 8 or head_dim > MAX_HEAD_DIM:
             raise ValueError(f"the flash-attn backend needs head_dim to be a multiple of 8 and at most "
                              f"{MAX_HEAD_DIM}; the model has head_dim={head_dim}")
@@ -86,13 +104,16 @@ class FlashAttnBackend(AttentionBackend):
             raise ValueError(f"kvcache_block_size={block_size}: flash-attn 2 (FA2) paged attention needs a "
                              f"block size that is a multiple of {FA2_BLOCK_MULTIPLE}")
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
-        triton_kvstore.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+        triton_kvstore.store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         if not k_cache.numel():
             return self._forward_without_cache(q, k, v, meta, scale)
+        if self._decode is not None and meta.max_seqlen_q == 1:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         if self.family == "fa4":
             (varlen,) = self._kernels
             # No max_seqlen_k: FA4 then bounds it by the block-table width, which still holds when a captured

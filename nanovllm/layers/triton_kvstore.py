@@ -5,13 +5,17 @@ Contract, the same as `TorchBackend.store_kvcache`:
   qkv projection), the last dimension contiguous;
 - k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous;
 - slot_mapping: int32 or int64 [num_tokens], the flat slot `block * block_size + offset` of each token; -1 writes
-  nothing (the padding of a captured CUDA graph).
+  nothing (the padding of a captured CUDA graph);
+- an FP8 cache (`float8_e4m3fn`) stores `clamp(x / scale, -448, 448)` rounded to nearest, bit for bit what
+  `nanovllm.layers.attention.quantize_kv` computes; other caches take the values as they are (scales of 1).
 
 One program per token copies all of its heads, so a launch is a fixed grid that a CUDA graph can capture.
 Triton is imported under a guard: on a machine without a working Triton the module still imports, and only
 calling `store_kvcache` fails.
 """
 import torch
+
+from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX
 
 try:
     import triton
@@ -23,12 +27,14 @@ else:
     _TRITON_ERROR = None
 
 if triton is not None:
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+
     @triton.jit
     def _store_kvcache_kernel(
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-        k_token_stride, k_head_stride, v_token_stride, v_head_stride,
+        k_token_stride, k_head_stride, v_token_stride, v_head_stride, k_scale, v_scale,
         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HEADS_BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+        HEADS_BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, QUANTIZE: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a cache can exceed 2**31 elements
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -40,9 +46,12 @@ if triton is not None:
         mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
         key = tl.load(k_ptr + token * k_token_stride + heads * k_head_stride + dims, mask=mask)
         value = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
+        if QUANTIZE:  # div_rn, not the approximate division, so the bits match torch's
+            key = tl.minimum(tl.maximum(tl.math.div_rn(key.to(tl.float32), k_scale), -_FP8_MAX), _FP8_MAX)
+            value = tl.minimum(tl.maximum(tl.math.div_rn(value.to(tl.float32), v_scale), -_FP8_MAX), _FP8_MAX)
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
-        tl.store(k_cache_ptr + dst, key, mask=mask)
-        tl.store(v_cache_ptr + dst, value, mask=mask)
+        tl.store(k_cache_ptr + dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def triton_available() -> bool:
@@ -50,7 +59,7 @@ def triton_available() -> bool:
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor):
+                  slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0):
     if triton is None:
         raise RuntimeError(f"the Triton KV-cache store needs a working Triton: {_TRITON_ERROR!r}")
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -59,11 +68,14 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert slot_mapping.shape == (num_tokens,) and slot_mapping.is_contiguous()
+    quantize = k_cache.dtype == FP8_DTYPE
+    assert quantize or k_scale == v_scale == 1.0, "scales apply to an FP8 cache only"
     if num_tokens == 0:
         return
     _store_kvcache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_scale, v_scale,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_BLOCK=triton.next_power_of_2(num_kv_heads), DIM_BLOCK=triton.next_power_of_2(head_dim),
+        QUANTIZE=quantize,
     )

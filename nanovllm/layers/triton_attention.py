@@ -1,0 +1,269 @@
+"""Paged attention in Triton: a split-KV decode kernel, the varlen (prefill and mixed) path, and their backend.
+
+Contract (see `nanovllm.layers.attention`): the caches are `[num_blocks, block_size, num_kv_heads, head_dim]`,
+contiguous, in the model's dtype or FP8 (`float8_e4m3fn`, read as `value * scale`); block tables are int32 rows
+padded with anything (only entries below `ceil(context_len / block_size)` are read); any block size that is a
+multiple of 16, any head_dim up to 256, any number of query heads per KV head.
+
+One kernel serves every step. A program takes one KV head of one sequence and the query heads that share it
+(GQA packing: each KV byte is read once per sequence, and the query rows are padded to 16 for `tl.dot`), a tile
+of that sequence's queries (one token in decode), and a chunk of its keys; it walks the keys `kv_tile` at a
+time with an online softmax in float32 (exp2, the scale folded into one multiplier).
+
+Decode splits the keys when `batch x num_kv_heads` programs would leave streaming multiprocessors idle: the
+split count comes from the batch size alone (fixed for a captured CUDA graph), each split's chunk from the
+sequence's context length on the device (`max(min_split_tokens, ceil(context / splits))`, whole tiles), so a
+short context uses fewer splits and a longer one after capture still reads every key. Splits write their
+normalised output and log-sum-exp in float32; a second kernel merges them. No host value changes per step.
+
+The varlen path is the same kernel with tiles of queries and no split; before the cache exists (a warm-up
+run) it reads this step's own keys and values instead of the cache.
+"""
+import torch
+
+from nanovllm.layers import triton_kvstore
+from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
+
+try:
+    import triton
+    import triton.language as tl
+except Exception as e:  # no Triton, or one that cannot initialise here
+    triton = tl = None
+    _TRITON_ERROR: Exception | None = e
+else:
+    _TRITON_ERROR = None
+
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+# Split heuristic, measured on an H200 (benchmarks/decode_attention_notes.md)
+SPLIT_BELOW_PROGRAMS_PER_SM = 2  # split when batch x kv_heads < this many programs per SM
+SPLIT_TARGET_PROGRAMS_PER_SM = 4  # and then aim at about this many
+MAX_SPLITS = 64
+MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in its start than it saves
+QUERY_ROWS = 64  # varlen: query rows (tokens x heads of one KV head) per program
+
+if triton is not None:
+    @triton.jit
+    def _attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
+        q_token_stride, q_head_stride, kv_token_stride, kv_head_stride, block_table_stride,
+        qk_scale, v_scale, num_splits, min_split_tokens,
+        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_TILE: tl.constexpr,
+        ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, KV_TILE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        work, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        q_tile, split = work // num_splits, work % num_splits
+        if DECODE:
+            q_begin, query_len = seq, 1
+        else:
+            q_begin = tl.load(cu_seqlens_q_ptr + seq)
+            query_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+        if q_tile * QUERY_TILE >= query_len:
+            return
+        if PAGED:
+            context_len = tl.load(context_lens_ptr + seq)
+        else:  # the keys are this step's own tokens
+            context_len = query_len
+
+        # row r holds query token q_tile * QUERY_TILE + r // GROUP_PAD, head kv_head * GROUP + r % GROUP_PAD
+        rows = tl.arange(0, ROWS)
+        token = q_tile * QUERY_TILE + rows // GROUP_PAD
+        head = kv_head * GROUP + rows % GROUP_PAD
+        row_valid = (rows // GROUP_PAD < QUERY_TILE) & (rows % GROUP_PAD < GROUP) & (token < query_len)
+        q_pos = tl.where(row_valid, context_len - query_len + token, -1)  # a padding row sees no key
+        dims = tl.arange(0, DIM_PAD)
+        dim_valid = dims < HEAD_DIM
+        q_row = (q_begin + token).to(tl.int64) * q_token_stride + head * q_head_stride
+        q = tl.load(q_ptr + q_row[:, None] + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+        # keys up to this tile's last query, cut into num_splits chunks of whole tiles
+        key_end = tl.minimum(context_len, context_len - query_len + (q_tile + 1) * QUERY_TILE)
+        chunk = tl.cdiv(tl.maximum(tl.cdiv(key_end, num_splits), min_split_tokens), KV_TILE) * KV_TILE
+        key_begin = split * chunk
+        key_end = tl.minimum(key_end, key_begin + chunk)
+
+        m = tl.full([ROWS], -1e30, tl.float32)  # finite: a row that sees no key keeps alpha = 1, p = 0
+        l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
+        for start in range(key_begin, key_end, KV_TILE):
+            key_pos = start + tl.arange(0, KV_TILE)
+            key_valid = key_pos < key_end
+            if PAGED:
+                block = tl.load(block_tables_ptr + seq * block_table_stride + key_pos // BLOCK_SIZE,
+                                mask=key_valid, other=0).to(tl.int64)
+                kv_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
+            else:
+                kv_row = (q_begin + key_pos).to(tl.int64)
+            offsets = kv_row[:, None] * kv_token_stride + kv_head * kv_head_stride + dims[None, :]
+            kv_mask = key_valid[:, None] & dim_valid[None, :]
+            k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(key_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+
+        seen = l > 0
+        out = acc * (v_scale / tl.where(seen, l, 1.0))[:, None]
+        out_row = (q_begin + token).to(tl.int64) * (NUM_KV_HEADS * GROUP) + head
+        out_mask = row_valid[:, None] & dim_valid[None, :]
+        if SPLIT:
+            split_row = out_row * num_splits + split
+            tl.store(out_ptr + split_row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
+            lse = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))  # -inf: an empty split
+            tl.store(lse_ptr + split_row, lse, mask=row_valid)
+        else:
+            tl.store(out_ptr + out_row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=out_mask)
+
+    @triton.jit
+    def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
+                             HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # token * num_heads + head
+        splits = tl.arange(0, SPLITS_PAD)
+        dims = tl.arange(0, DIM_PAD)
+        lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
+        top = tl.max(lse, 0)
+        weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # an empty split weighs 0
+        mask = (splits < num_splits)[:, None] & (dims < HEAD_DIM)[None, :]
+        partial = tl.load(partial_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+                          mask=mask, other=0.0)
+        total = tl.sum(weight, 0)
+        out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def triton_available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+def decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """How many chunks decode cuts each sequence's keys into: 1 when the programs fill the GPU."""
+    programs = batch * num_kv_heads
+    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
+        return 1
+    return min(MAX_SPLITS, -(-SPLIT_TARGET_PROGRAMS_PER_SM * num_sms // programs))
+
+
+def decode_tile(head_dim: int) -> tuple[int, int, int]:
+    """(keys per iteration, warps, pipeline stages) of the decode kernel, tuned on an H200."""
+    return (64, 4, 3) if head_dim <= 128 else (32, 4, 3)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _check_triton():
+    if triton is None:
+        raise RuntimeError(f"the Triton attention kernels need a working Triton: {_TRITON_ERROR!r}")
+
+
+def _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale):
+    group = q.size(1) // kv_heads
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    return dict(qk_scale=scale * k_scale * LOG2E, v_scale=v_scale, NUM_KV_HEADS=kv_heads, GROUP=group,
+                GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
+                     num_splits: int | None = None, min_split_tokens: int = MIN_SPLIT_TOKENS,
+                     kv_tile: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
+    """One query token per sequence: q [batch, num_heads, head_dim] -> out [batch, num_heads, head_dim].
+    The keyword-only arguments override the tuned choices (benchmarks and tests)."""
+    _check_triton()
+    batch, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.shape == k_cache.shape and v_cache.is_contiguous()
+    assert q.stride(-1) == 1 and block_tables.stride(-1) == 1 and num_heads % kv_heads == 0
+    if num_splits is None:
+        num_splits = decode_splits(batch, kv_heads, _num_sms(q.device))
+    tile, warps, stages = decode_tile(head_dim)
+    tile, warps, stages = kv_tile or tile, num_warps or warps, num_stages or stages
+    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    args = _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale)
+    rows = max(16, args["GROUP_PAD"])
+    split = num_splits > 1
+    partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device) \
+        if split else out
+    lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device) if split else out
+    _attention_kernel[(num_splits, batch, kv_heads)](
+        q, k_cache, v_cache, partial, lse, block_tables, context_lens, context_lens,
+        q.stride(0), q.stride(1), kv_heads * head_dim, head_dim, block_tables.stride(0),
+        num_splits=num_splits, min_split_tokens=min_split_tokens, QUERY_TILE=1, ROWS=rows, KV_TILE=tile,
+        BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, num_warps=warps, num_stages=stages, **args)
+    if split:
+        _merge_splits_kernel[(batch, num_heads)](
+            partial, lse, out, num_splits, HEAD_DIM=head_dim, DIM_PAD=args["DIM_PAD"],
+            SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)), num_warps=4)
+    return out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
+    """Any batch (prefill, prefix, decode, mixed): q [num_tokens, num_heads, head_dim]; causal, aligned to the end
+    of each context. With an empty cache (warm-up) it attends over this step's k and v instead."""
+    _check_triton()
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k.size(1)
+    paged = k_cache.numel() > 0
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    if paged:
+        keys, values, block_size = k_cache, v_cache, k_cache.size(1)
+        token_stride, head_stride = kv_heads * head_dim, head_dim
+    else:  # this step's keys: strided slices of the fused projection, in the model's dtype
+        keys, values, block_size, k_scale, v_scale = k, v, 16, 1.0, 1.0
+        assert k.stride() == v.stride() and k.stride(-1) == 1
+        token_stride, head_stride = k.stride(0), k.stride(1)
+    args = _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale)
+    rows = max(QUERY_ROWS, args["GROUP_PAD"])
+    query_tile = rows // args["GROUP_PAD"]
+    tile = 64 if head_dim <= 128 else 32
+    grid = (triton.cdiv(meta.max_seqlen_q, query_tile), meta.cu_seqlens_q.numel() - 1, kv_heads)
+    _attention_kernel[grid](
+        q, keys, values, out, out, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+        q.stride(0), q.stride(1), token_stride, head_stride, meta.block_tables.stride(0),
+        num_splits=1, min_split_tokens=0, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile, BLOCK_SIZE=block_size,
+        DECODE=False, PAGED=paged, SPLIT=False, num_warps=4, num_stages=2, **args)
+    return out
+
+
+class TritonBackend(AttentionBackend):
+    """Triton for every step: the split-KV decode kernel for decode-only steps, the varlen path otherwise.
+    Reads model-dtype and FP8 caches; runs on any CUDA GPU that Triton supports."""
+    name = "triton"
+    supports_cuda_graphs = True  # decode reads only device tensors and integers fixed per batch size
+    supports_fp8_kv = True
+
+    def __init__(self):
+        if not triton_available():
+            reason = "CUDA is not available" if triton is not None else repr(_TRITON_ERROR)
+            raise ValueError(f"attention_backend='triton' needs CUDA and a working Triton: {reason}")
+
+    def check(self, block_size: int, head_dim: int, kv_cache_dtype: torch.dtype):
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"the triton backend supports head_dim up to {MAX_HEAD_DIM}; the model has {head_dim}")
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+        triton_kvstore.store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0):
+        if k_cache.numel() and meta.max_seqlen_q == 1:
+            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                    k_scale, v_scale)
+        return varlen_attention(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+

@@ -1,0 +1,190 @@
+"""The Triton paged-attention kernels and the Triton KV store against the torch reference.
+
+The reference is `TorchBackend` in float64 on the very cache the kernel reads (an FP8 cache dequantized exactly),
+so the only error left is the kernel's arithmetic. Without CUDA the kernels run on CPU tensors through Triton's
+interpreter (tests/conftest.py turns it on): float32 there, since the interpreter computes a bf16 `tl.dot`
+wrongly, and small shapes, since it is slow. With CUDA the same cases run in bf16 and float32.
+
+Case shapes are drawn from a seeded generator: every GQA ratio 1-8, head dims 64/128/256 (and 80, not a power
+of two), block sizes 16-256 (48: a multiple of 16, not a power of two), ragged contexts that end inside and on
+block edges, one split and several, model dtype and FP8 with scales that are not 1.
+"""
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+
+from nanovllm.layers.attention import FP8_DTYPE, TorchBackend, quantize_kv
+from tests.test_gpu_attention import CASES, make_meta, random_block_tables
+
+triton_attention = pytest.importorskip("nanovllm.layers.triton_attention")
+if triton_attention.triton is None:
+    pytest.skip("Triton does not import here", allow_module_level=True)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # float32 lands near 1e-7; bf16 operands near 5e-3
+K_SCALE, V_SCALE = 0.0625, 3.0  # FP8 scales of the tests: a kernel that forgets one is off by 16x or 3x
+
+
+def make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, kv_fp8, seed,
+              q_gain=1.0):
+    """Random q, this step's k/v, a paged cache holding the contexts (unused blocks poisoned) and the metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil(c / block_size) for c in context_lens) + 3
+    block_tables = random_block_tables(context_lens, block_size, num_blocks, gen)
+    meta = make_meta(query_lens, context_lens, block_tables, block_size, DEVICE)
+    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) for _ in range(2)]
+    used = torch.zeros(num_blocks, dtype=torch.bool)
+    used[block_tables[block_tables >= 0].long()] = True
+    for cache in caches:
+        cache[~used] = float("nan")  # a block outside every table must never be read
+    if kv_fp8:
+        caches = [quantize_kv(c, s, FP8_DTYPE) for c, s in zip(caches, (K_SCALE, V_SCALE))]
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen) * q_gain
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    return q, k, v, caches, meta
+
+
+def reference(q, k, v, caches, meta, kv_fp8, paged=True):
+    """TorchBackend in float64 on CPU, on exactly the values the kernel sees."""
+    scales = (K_SCALE, V_SCALE) if kv_fp8 else (1.0, 1.0)
+    ref_caches = [c.double() * s for c, s in zip(caches, scales)] if paged else [torch.empty(0)] * 2
+    cpu_meta = dataclasses.replace(meta, block_tables=meta.block_tables.cpu())
+    scale = q.size(-1) ** -0.5
+    return TorchBackend().forward(q.double(), k.double(), v.double(), *ref_caches, cpu_meta, scale)
+
+
+def assert_close(out, expected, dtype):
+    assert out.dtype == dtype and out.shape == expected.shape
+    out = out.double().cpu()
+    assert not out.isnan().any()
+    err = ((out - expected).norm() / expected.norm()).item()
+    assert err < REL_TOL[dtype], f"relative error {err:.2e}"
+
+
+def to_device(q, k, v, caches, dtype):
+    return (q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype),
+            [c.to(DEVICE) if c.dtype == FP8_DTYPE else c.to(DEVICE, dtype) for c in caches])
+
+
+def decode_cases():
+    """(name, shape) pairs: each GQA ratio 1-8 once, with the other dimensions drawn from a seeded generator."""
+    rng = random.Random(11)
+    head_dims = [64, 128, 256, 64, 80, 128, 64, 256]
+    block_sizes = [16, 48, 32, 256, 16, 128, 64, 16]
+    cases = []
+    for i, group in enumerate(range(1, 9)):
+        num_kv_heads = rng.choice([1, 2, 3]) if head_dims[i] < 256 else 1
+        block_size = block_sizes[i]
+        contexts = [1, block_size, block_size + 1] + [rng.randint(2, 4 * block_size) for _ in range(2)]
+        splits = [1, 2, 3, 1, 5, 4, 1, 2][i]
+        case = dict(group=group, num_kv_heads=num_kv_heads, head_dim=head_dims[i], block_size=block_size,
+                    contexts=contexts, splits=splits, kv_fp8=i % 2 == 1, q_gain=30.0 if i in (1, 5) else 1.0)
+        cases.append(pytest.param(case, id=f"g{group}-d{head_dims[i]}-b{block_size}-s{splits}"
+                                           f"{'-fp8' if case['kv_fp8'] else ''}{'-peaky' if i in (1, 5) else ''}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", decode_cases())
+def test_decode_matches_reference(case, dtype):
+    """Ragged contexts, splits of 16 tokens so even short contexts split, large logits in the peaky cases (an
+    unscaled merge of splits overflows there)."""
+    contexts = case["contexts"]
+    q, k, v, caches, meta = make_case([1] * len(contexts), contexts, case["group"] * case["num_kv_heads"],
+                                      case["num_kv_heads"], case["head_dim"], case["block_size"], case["kv_fp8"],
+                                      seed=len(contexts) + case["group"], q_gain=case["q_gain"])
+    expected = reference(q, k, v, caches, meta, case["kv_fp8"])
+    q, k, v, caches = to_device(q, k, v, caches, dtype)
+    scales = (K_SCALE, V_SCALE) if case["kv_fp8"] else (1.0, 1.0)
+    out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, q.size(-1) ** -0.5,
+                                            *scales, num_splits=case["splits"], min_split_tokens=16)
+    assert_close(out, expected, dtype)
+
+
+def test_decode_default_split_size():
+    """The engine's own split choice and minimum split length (256 tokens) on contexts of up to 700 tokens."""
+    contexts = [700, 1, 257]
+    q, k, v, caches, meta = make_case([1] * 3, contexts, 4, 1, 64, 64, False, seed=3)
+    expected = reference(q, k, v, caches, meta, False)
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125)
+    assert_close(out, expected, torch.float32)
+
+
+VARLEN_CASES = [  # (case, num_heads, num_kv_heads, head_dim, block_size, kv_fp8)
+    ("prefill", 4, 2, 64, 16, False),
+    ("prefix", 4, 1, 64, 48, True),
+    ("mixed", 6, 2, 80, 32, False),
+    ("mixed", 3, 3, 64, 256, True),
+    ("decode", 16, 2, 64, 16, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,num_heads,num_kv_heads,head_dim,block_size,kv_fp8", VARLEN_CASES)
+def test_varlen_matches_reference(name, num_heads, num_kv_heads, head_dim, block_size, kv_fp8, dtype):
+    query_lens, contexts = CASES[name]
+    q, k, v, caches, meta = make_case(query_lens, contexts, num_heads, num_kv_heads, head_dim, block_size, kv_fp8,
+                                      seed=num_heads)
+    expected = reference(q, k, v, caches, meta, kv_fp8)
+    q, k, v, caches = to_device(q, k, v, caches, dtype)
+    scales = (K_SCALE, V_SCALE) if kv_fp8 else (1.0, 1.0)
+    out = triton_attention.varlen_attention(q, k, v, *caches, meta, q.size(-1) ** -0.5, *scales)
+    assert_close(out, expected, dtype)
+
+
+def test_varlen_without_cache_reads_this_steps_keys():
+    """The warm-up before the cache exists: each sequence attends over its own (strided) k and v."""
+    query_lens = [1, 17, 40, 5]
+    q, k, v, _, meta = make_case(query_lens, query_lens, 4, 2, 64, 16, False, seed=5)
+    meta.block_tables = meta.block_tables[:, :0]
+    expected = reference(q, k, v, None, meta, False, paged=False)
+    q, k, v, _ = to_device(q, k, v, [], torch.float32)
+    assert not k.is_contiguous()
+    empty = torch.empty(0, device=DEVICE)
+    assert_close(triton_attention.varlen_attention(q, k, v, empty, empty, meta, 0.125), expected, torch.float32)
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_triton_store_matches_torch(kv_fp8):
+    """Bit for bit on CUDA. Triton's interpreter (3.9) rounds float32 -> FP8 towards zero and mishandles rounding
+    that carries into the exponent (31.6 -> 16, not 32), so on CPU the FP8 check is looser: nearly all values
+    equal, the rest at most a factor 2 smaller; a forgotten scale (16x, 3x) still fails it."""
+    from nanovllm.layers.triton_kvstore import store_kvcache
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, num_kv_heads, head_dim, num_blocks, block_size = 21, 3, 80, 5, 16
+    qkv = torch.randn(num_tokens, 4 * num_kv_heads * head_dim, generator=gen) * 4
+    k = qkv[:, 2 * num_kv_heads * head_dim:3 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, 3 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::4] = -1  # padding: writes nothing
+    cache_dtype = FP8_DTYPE if kv_fp8 else torch.float32
+    scales = (K_SCALE, V_SCALE) if kv_fp8 else (1.0, 1.0)
+    expected = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype) for _ in range(2)]
+    TorchBackend().store_kvcache(k, v, *expected, slots, *scales)
+    caches = [torch.zeros_like(c, device=DEVICE) for c in expected]
+    store_kvcache(k.to(DEVICE), v.to(DEVICE), *caches, slots.to(DEVICE), *scales)
+    for got, want in zip(caches, expected):
+        got = got.cpu()
+        if DEVICE.type == "cuda" or not kv_fp8:
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        else:
+            got, want = got.float().abs(), want.float().abs()
+            assert torch.all((got <= want) & (got >= want / 2 - 2 ** -9))
+            assert (got == want).float().mean() > 0.95  # 99.6% when written
+
+
+def test_decode_splits_fill_the_gpu():
+    sms = 132
+    assert triton_attention.decode_splits(256, 8, sms) == 1  # 2048 programs: plenty
+    assert triton_attention.decode_splits(1, 8, sms) == triton_attention.MAX_SPLITS
+    for batch in (1, 2, 8, 16, 32):
+        splits = triton_attention.decode_splits(batch, 8, sms)
+        assert batch * 8 * splits >= sms and splits <= triton_attention.MAX_SPLITS
