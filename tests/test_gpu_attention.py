@@ -1,4 +1,5 @@
-"""The flash-attn backend and the Triton KV store against the torch reference, on random paged inputs (GPU).
+"""The flash-attn and Triton backends and the Triton KV store against the torch reference, on random paged inputs
+(GPU).
 
 Every test carries the `gpu` marker (skipped without CUDA) and skips when its kernel family does not import.
 The reference is `TorchBackend` on float32 copies; the kernels run in bf16.
@@ -24,15 +25,25 @@ CASES = {
 }
 
 
-def make_backend(family: str) -> FlashAttnBackend:
+TRITON_BLOCK_SIZES = [16, 48, 128, 256]
+
+
+def make_backend(family: str):
+    """A flash-attn family ("fa4", "fa2"), the Triton backend ("triton") or FA4 with Triton decode."""
     try:
+        if family == "triton":
+            from nanovllm.layers.triton_attention import TritonBackend
+            return TritonBackend()
+        if family == "triton-decode":
+            return FlashAttnBackend("fa4", triton_decode=True)
         return FlashAttnBackend(family)
     except ValueError as e:  # the family does not import here, or the GPU is too old for it
         pytest.skip(str(e))
 
 
 def family_block_sizes():
-    return ([("fa4", b) for b in FA4_BLOCK_SIZES] + [("fa2", b) for b in FA2_BLOCK_SIZES])
+    return ([("fa4", b) for b in FA4_BLOCK_SIZES] + [("fa2", b) for b in FA2_BLOCK_SIZES]
+            + [("triton", b) for b in TRITON_BLOCK_SIZES] + [("triton-decode", 128)])
 
 
 def make_meta(query_lens, context_lens, block_tables, block_size, device) -> AttentionMetadata:
@@ -120,7 +131,7 @@ def test_forward_matches_torch(family, block_size, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 64), (8, 1, 128), (8, 1, 64)])
 @pytest.mark.parametrize("case", ["mixed", "decode"])
-@pytest.mark.parametrize("family,block_size", [("fa4", 64), ("fa4", 128), ("fa2", 256)])
+@pytest.mark.parametrize("family,block_size", [("fa4", 64), ("fa4", 128), ("fa2", 256), ("triton", 64)])
 def test_forward_gqa_and_head_dims(family, block_size, case, num_heads, num_kv_heads, head_dim):
     backend = make_backend(family)
     query_lens, context_lens = CASES[case]
@@ -159,7 +170,8 @@ def test_triton_store_matches_torch(num_kv_heads, head_dim, slot_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family,block_size", [("fa4", 64), ("fa4", 128), ("fa2", 256)])
+@pytest.mark.parametrize("family,block_size", [("fa4", 64), ("fa4", 128), ("fa2", 256), ("triton", 16),
+                                               ("triton", 256), ("triton-decode", 128)])
 def test_decode_in_cuda_graph(family, block_size):
     """Store + decode captured once replays correctly after the inputs change, longer contexts and padding too."""
     backend = make_backend(family)

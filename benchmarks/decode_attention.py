@@ -1,0 +1,163 @@
+"""Paged decode attention in Qwen3-0.6B's heads (16 query, 8 KV, head_dim 128): flash-attn-4 against the Triton
+split-KV kernel in bf16 and with an FP8 cache, against the device-copy bandwidth measured in the same run.
+
+    python benchmarks/decode_attention.py                  # the table: batch x context x block size
+    python benchmarks/decode_attention.py --sweep          # tile, warp, stage and split choices of the kernel
+    python benchmarks/decode_attention.py --batch 256 --context 1024 --block-size 256   # one row
+
+Each kernel is captured in a CUDA graph, as the engine runs it, and its replays are timed with do_bench (which
+clears the L2 cache before every run): median microseconds, and TB/s of KV actually read (an FP8 cache is half
+the bytes). Contexts are all equal, block tables shuffled, caches random (never zeros).
+"""
+import argparse
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nanovllm.layers.attention import FP8_DTYPE, AttentionMetadata  # noqa: E402
+from nanovllm.layers import triton_attention  # noqa: E402
+from nanovllm.layers.triton_attention import decode_attention  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
+BATCHES, CONTEXTS, BLOCK_SIZES = (1, 8, 32, 128, 256, 512), (128, 1024, 4096, 16384), (16, 128, 256)
+MEMORY_SHARE = 0.4  # skip a row whose bf16 cache would take more than this share of the GPU's memory
+
+
+def time_us(fn) -> float:
+    """Median of graph replays, in microseconds."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=5, rep=25, return_mode="median") * 1e3
+
+
+def copy_bandwidth() -> float:
+    """TB/s of a 2 GiB device-to-device copy, counting the bytes read and the bytes written."""
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / us / 1e6
+
+
+class Problem:
+    """One decode batch: queries, a shuffled paged cache (bf16 and an FP8 copy) and the metadata."""
+
+    def __init__(self, batch: int, context: int, block_size: int, fp8: bool = True):
+        blocks_per_seq = math.ceil(context / block_size)
+        num_blocks = batch * blocks_per_seq
+        shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+        self.k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        self.v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        self.k8 = self.k.to(FP8_DTYPE) if fp8 else None
+        self.v8 = self.v.to(FP8_DTYPE) if fp8 else None
+        self.q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        tables = torch.randperm(num_blocks, dtype=torch.int32, device="cuda").view(batch, blocks_per_seq)
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.full((batch,), -1, device="cuda"), block_tables=tables,
+            context_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+            cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"), max_seqlen_q=1,
+            max_seqlen_k=context)
+        self.bytes_bf16 = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+        self.scale = HEAD_DIM ** -0.5
+
+    def triton(self, fp8: bool = False, **overrides):
+        k, v = (self.k8, self.v8) if fp8 else (self.k, self.v)
+        return lambda: decode_attention(self.q, k, v, self.meta.block_tables, self.meta.context_lens, self.scale,
+                                        **overrides)
+
+    def fa4(self, backend):
+        return lambda: backend.forward(self.q, None, None, self.k, self.v, self.meta, self.scale)
+
+
+def fa4_backend():
+    try:
+        from nanovllm.layers.flash_attention import FlashAttnBackend
+        return FlashAttnBackend("fa4")
+    except ValueError as e:
+        print(f"flash-attn-4: not timed ({e})")
+        return None
+
+
+def fits(batch: int, context: int) -> bool:
+    bf16 = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+    return 1.5 * bf16 < MEMORY_SHARE * torch.cuda.get_device_properties(0).total_memory
+
+
+def table(args):
+    fa4 = fa4_backend()
+    copy = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {copy:.2f} TB/s")
+    print("| batch | context | block | KV MB (bf16) | copy floor us | flash-attn-4 us (TB/s) | triton bf16 us "
+          "(TB/s) | triton fp8 us (TB/s) | splits | triton / fa4 |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for block_size, batch, context in itertools.product(args.block_size, args.batch, args.context):
+        if not fits(batch, context):
+            print(f"| {batch} | {context} | {block_size} | skipped: the cache would not fit |")
+            continue
+        p = Problem(batch, context, block_size)
+        gb, floor = p.bytes_bf16 / 1e9, p.bytes_bf16 / copy / 1e6
+        bf16 = time_us(p.triton())
+        fp8 = time_us(p.triton(fp8=True))
+        ref = time_us(p.fa4(fa4)) if fa4 is not None else float("nan")
+        splits = triton_attention.decode_splits(batch, KV_HEADS, torch.cuda.get_device_properties(0)
+                                                .multi_processor_count)
+        print(f"| {batch} | {context} | {block_size} | {gb * 1e3:.1f} | {floor:.1f} | {ref:.1f} "
+              f"({gb / ref * 1e3:.2f}) | {bf16:.1f} ({gb / bf16 * 1e3:.2f}) | {fp8:.1f} ({gb / 2 / fp8 * 1e3:.2f}) "
+              f"| {splits} | {ref / bf16:.2f}x |", flush=True)
+        del p
+        torch.cuda.empty_cache()
+
+
+def sweep(args):
+    """The kernel's choices, one at a time, on shapes that stress each; prints us and TB/s."""
+    copy = copy_bandwidth()
+    print(f"copy bandwidth {copy:.2f} TB/s")
+    tiles = [(t, w, s) for t in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4) if not (t == 128 and w == 2)]
+    few = [(32, 4, 3), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3), (32, 2, 4), (64, 2, 3)]
+    for batch, context, block_size, fp8, configs in (
+            (256, 1024, 256, False, tiles), (256, 1024, 16, False, few),
+            (256, 1024, 256, True, few), (8, 16384, 256, False, few)):
+        p = Problem(batch, context, block_size, fp8=fp8)
+        gb = p.bytes_bf16 / 1e9 / (2 if fp8 else 1)
+        for tile, warps, stages in configs:
+            try:
+                us = time_us(p.triton(fp8=fp8, kv_tile=tile, num_warps=warps, num_stages=stages))
+                print(f"tile {batch}x{context} bs{block_size} {'fp8' if fp8 else 'bf16'} kv_tile={tile} "
+                      f"warps={warps} stages={stages}: {us:.1f} us {gb / us * 1e3:.2f} TB/s", flush=True)
+            except Exception as e:  # shared memory out of range, for instance
+                print(f"tile {tile} {warps} {stages}: failed {type(e).__name__}: {str(e)[:100]}")
+        del p
+    for batch, context in itertools.product((1, 4, 8, 16, 32, 64), (1024, 4096, 16384)):
+        p = Problem(batch, context, 256, fp8=False)
+        gb = p.bytes_bf16 / 1e9
+        results = []
+        for splits, min_tokens in itertools.product((1, 2, 4, 8, 16, 32, 64), (128, 256, 512)):
+            if splits == 1 and min_tokens != 256:
+                continue
+            us = time_us(p.triton(num_splits=splits, min_split_tokens=min_tokens))
+            results.append(f"{splits}/{min_tokens}: {gb / us * 1e3:.2f}")
+        print(f"splits {batch}x{context}: default {triton_attention.decode_splits(batch, KV_HEADS, 132)} | "
+              + "  ".join(results), flush=True)
+        del p
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--context", type=int, nargs="+", default=CONTEXTS)
+    parser.add_argument("--block-size", type=int, nargs="+", default=BLOCK_SIZES)
+    parser.add_argument("--sweep", action="store_true", help="time the kernel's tile and split choices instead")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    sweep(args) if args.sweep else table(args)
+
+
+if __name__ == "__main__":
+    main()
