@@ -19,6 +19,8 @@ normalised output and log-sum-exp in float32; a second kernel merges them. No ho
 The varlen path is the same kernel with tiles of queries and no split; before the cache exists (a warm-up
 run) it reads this step's own keys and values instead of the cache.
 """
+import functools
+
 import torch
 
 from nanovllm.layers import triton_kvstore
@@ -156,6 +158,7 @@ def decode_tile(head_dim: int) -> tuple[int, int, int]:
     return (64, 4, 3) if head_dim <= 128 else (32, 4, 3)
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
