@@ -170,7 +170,7 @@ def test_triton_store_matches_torch(num_kv_heads, head_dim, slot_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family,block_size", [("fa4", 64), ("fa4", 128), ("fa2", 256), ("triton", 16),
+@pytest.mark.parametrize("family,block_size", [("fa4", 64), ("fa4", 128), ("fa2", 256), ("triton", 64),
                                                ("triton", 256), ("triton-decode", 128)])
 def test_decode_in_cuda_graph(family, block_size):
     """Store + decode captured once replays correctly after the inputs change, longer contexts and padding too."""

@@ -8,7 +8,9 @@ multiple of 16, any head_dim up to 256, any number of query heads per KV head.
 One kernel serves every step. A program takes one KV head of one sequence and the query heads that share it
 (GQA packing: each KV byte is read once per sequence, and the query rows are padded to 16 for `tl.dot`), a tile
 of that sequence's queries (one token in decode), and a chunk of its keys; it walks the keys `kv_tile` at a
-time with an online softmax in float32 (exp2, the scale folded into one multiplier).
+time with an online softmax in float32 (exp2, the scale folded into one multiplier). The products run in the
+model's dtype, in float16 over an FP8 cache (every e4m3 value is exact in float16, and converting to it is one
+instruction on sm89+ where bf16 takes several), in float32 (IEEE) for a float32 model.
 
 Decode splits the keys when `batch x num_kv_heads` programs would leave streaming multiprocessors idle: the
 split count comes from the batch size alone (fixed for a captured CUDA graph), each split's chunk from the
@@ -24,7 +26,7 @@ import functools
 import torch
 
 from nanovllm.layers import triton_kvstore
-from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
+from nanovllm.layers.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata
 
 try:
     import triton
@@ -39,9 +41,9 @@ MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 # Split heuristic, measured on an H200 (benchmarks/decode_attention_notes.md)
 SPLIT_BELOW_PROGRAMS_PER_SM = 2  # split when batch x kv_heads < this many programs per SM
-SPLIT_TARGET_PROGRAMS_PER_SM = 4  # and then aim at about this many
+SPLIT_TARGET_PROGRAMS_PER_SM = 4  # and then make at most this many (more than two waves loses to the tail)
 MAX_SPLITS = 64
-MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in its start than it saves
+MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
 QUERY_ROWS = 64  # varlen: query rows (tokens x heads of one KV head) per program
 
 if triton is not None:
@@ -53,7 +55,7 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_TILE: tl.constexpr,
         ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, KV_TILE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         work, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         q_tile, split = work // num_splits, work % num_splits
@@ -78,7 +80,8 @@ if triton is not None:
         dims = tl.arange(0, DIM_PAD)
         dim_valid = dims < HEAD_DIM
         q_row = (q_begin + token).to(tl.int64) * q_token_stride + head * q_head_stride
-        q = tl.load(q_ptr + q_row[:, None] + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+        q = tl.load(q_ptr + q_row[:, None] + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :],
+                    other=0.0).to(COMPUTE_DTYPE)
 
         # keys up to this tile's last query, cut into num_splits chunks of whole tiles
         key_end = tl.minimum(context_len, context_len - query_len + (q_tile + 1) * QUERY_TILE)
@@ -100,8 +103,8 @@ if triton is not None:
                 kv_row = (q_begin + key_pos).to(tl.int64)
             offsets = kv_row[:, None] * kv_token_stride + kv_head * kv_head_stride + dims[None, :]
             kv_mask = key_valid[:, None] & dim_valid[None, :]
-            k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
-            v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+            v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(key_pos[None, :] <= q_pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -150,12 +153,14 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
     programs = batch * num_kv_heads
     if programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
         return 1
-    return min(MAX_SPLITS, -(-SPLIT_TARGET_PROGRAMS_PER_SM * num_sms // programs))
+    return max(1, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS_PER_SM * num_sms // programs))
 
 
-def decode_tile(head_dim: int) -> tuple[int, int, int]:
-    """(keys per iteration, warps, pipeline stages) of the decode kernel, tuned on an H200."""
-    return (64, 4, 3) if head_dim <= 128 else (32, 4, 3)
+def decode_tile(head_dim: int, kv_itemsize: int) -> tuple[int, int, int]:
+    """(keys per iteration, warps, pipeline stages) of the decode kernel, tuned on an H200: 16 KB of keys an
+    iteration at head_dim 128 (64 bf16 keys, 128 FP8 keys)."""
+    keys = 64 * 2 // kv_itemsize
+    return (keys, 4, 3) if head_dim <= 128 else (keys // 2, 4, 3)
 
 
 @functools.cache
@@ -168,19 +173,27 @@ def _check_triton():
         raise RuntimeError(f"the Triton attention kernels need a working Triton: {_TRITON_ERROR!r}")
 
 
-def _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale):
+def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the products: see the module docstring."""
+    if q_dtype == torch.float32 or kv_dtype != FP8_DTYPE:
+        return q_dtype
+    return torch.float16
+
+
+def _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale, compute_dtype):
     group = q.size(1) // kv_heads
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     return dict(qk_scale=scale * k_scale * LOG2E, v_scale=v_scale, NUM_KV_HEADS=kv_heads, GROUP=group,
                 GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                COMPUTE_DTYPE=getattr(tl, str(compute_dtype).removeprefix("torch.")),  # tl.float16, ...
+                DOT_PRECISION="ieee" if compute_dtype == torch.float32 else "tf32")
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
                      num_splits: int | None = None, min_split_tokens: int = MIN_SPLIT_TOKENS,
-                     kv_tile: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> torch.Tensor:
+                     kv_tile: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                     compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """One query token per sequence: q [batch, num_heads, head_dim] -> out [batch, num_heads, head_dim].
     The keyword-only arguments override the tuned choices (benchmarks and tests)."""
     _check_triton()
@@ -190,12 +203,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert q.stride(-1) == 1 and block_tables.stride(-1) == 1 and num_heads % kv_heads == 0
     if num_splits is None:
         num_splits = decode_splits(batch, kv_heads, _num_sms(q.device))
-    tile, warps, stages = decode_tile(head_dim)
+    tile, warps, stages = decode_tile(head_dim, k_cache.element_size())
     tile, warps, stages = kv_tile or tile, num_warps or warps, num_stages or stages
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    args = _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale)
+    args = _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale,
+                        compute_dtype or _compute_dtype(q.dtype, k_cache.dtype))
     rows = max(16, args["GROUP_PAD"])
     split = num_splits > 1
     partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device) \
@@ -232,7 +246,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         keys, values, block_size, k_scale, v_scale = k, v, 16, 1.0, 1.0
         assert k.stride() == v.stride() and k.stride(-1) == 1
         token_stride, head_stride = k.stride(0), k.stride(1)
-    args = _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale)
+    args = _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale, _compute_dtype(q.dtype, keys.dtype))
     rows = max(QUERY_ROWS, args["GROUP_PAD"])
     query_tile = rows // args["GROUP_PAD"]
     tile = 64 if head_dim <= 128 else 32
