@@ -56,6 +56,29 @@ def test_fp8_cache_stays_close_to_hf(tiny_model, hf_model):
     assert share >= 0.85 and gap < 0.3 and logprob_error < 0.5  # measured 92.7%, 0.107, 0.301 (2026-11-29)
 
 
+def test_torch_backend_fp8_round_trip():
+    """The reference backend stores clamp(x / scale) in FP8 and reads fp8 * scale: within e4m3's rounding of x."""
+    from nanovllm.layers.attention import AttentionMetadata, TorchBackend
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 10, 2, 16, generator=gen) * torch.tensor([0.05, 40.0])[:, None, None, None]
+    k_scale, v_scale = 2.0 ** -6, 0.5  # |k| <= 0.17 and |v| <= 164 stay inside +-448 after the division
+    caches = [torch.zeros(2, 16, 2, 16, dtype=FP8_DTYPE) for _ in range(2)]
+    backend = TorchBackend()
+    backend.store_kvcache(k, v, *caches, torch.arange(10), k_scale, v_scale)
+    stored = [c.float().flatten(0, 1)[:10] for c in caches]
+    for x, got, scale in ((k, stored[0], k_scale), (v, stored[1], v_scale)):
+        # round to nearest: half of e4m3's relative step of 1/8, or of 2**-9 (times the scale) among subnormals
+        assert ((got * scale - x).abs() <= x.abs() / 16 + scale * 2 ** -10).all()
+    meta = AttentionMetadata(slot_mapping=torch.arange(10), block_tables=torch.tensor([[0]]),
+                             context_lens=torch.tensor([10]), cu_seqlens_q=torch.tensor([0, 1]), max_seqlen_q=1,
+                             max_seqlen_k=10, query_lens_host=[1], context_lens_host=[10])
+    q = torch.randn(1, 4, 16, generator=gen)
+    out = backend.forward(q, k[:1], v[:1], *caches, meta, 0.25, k_scale, v_scale)
+    keys, values = (stored[0] * k_scale).repeat_interleave(2, 1), (stored[1] * v_scale).repeat_interleave(2, 1)
+    weights = torch.einsum("hd,thd->ht", q[0], keys).mul(0.25).softmax(-1)
+    assert torch.allclose(out[0], torch.einsum("ht,thd->hd", weights, values), atol=1e-5)
+
+
 def test_fp8_cache_holds_twice_the_blocks(tiny_model):
     sizes = {}
     for kv_cache_dtype in ("auto", "fp8_e4m3"):

@@ -140,16 +140,20 @@ def test_varlen_matches_reference(name, num_heads, num_kv_heads, head_dim, block
     assert_close(out, expected, dtype)
 
 
-def test_varlen_without_cache_reads_this_steps_keys():
-    """The warm-up before the cache exists: each sequence attends over its own (strided) k and v."""
+@pytest.mark.parametrize("k_layout", ["slice", "contiguous"])
+def test_varlen_without_cache_reads_this_steps_keys(k_layout):
+    """The warm-up before the cache exists: each sequence attends over its own k and v. v is a strided slice of
+    the fused projection; k too, or (as in Qwen3, after its norm) a contiguous tensor with other strides."""
     query_lens = [1, 17, 40, 5]
     q, k, v, _, meta = make_case(query_lens, query_lens, 4, 2, 64, 16, False, seed=5)
     meta.block_tables = meta.block_tables[:, :0]
     expected = reference(q, k, v, None, meta, False, paged=False)
     q = q.to(DEVICE)
-    fused = torch.cat([k.flatten(1), v.flatten(1)], dim=1).to(DEVICE)  # k and v as strided slices, as in a model
+    fused = torch.cat([k.flatten(1), v.flatten(1)], dim=1).to(DEVICE)
     k, v = fused[:, :k[0].numel()].view(k.shape), fused[:, k[0].numel():].view(v.shape)
-    assert not k.is_contiguous()
+    if k_layout == "contiguous":
+        k = k.contiguous()
+    assert not v.is_contiguous()
     empty = torch.empty(0, device=DEVICE)
     assert_close(triton_attention.varlen_attention(q, k, v, empty, empty, meta, 0.125), expected, torch.float32)
 
@@ -190,3 +194,29 @@ def test_decode_splits_fill_the_gpu():
     for batch in (1, 2, 8, 16, 32):
         splits = triton_attention.decode_splits(batch, 8, sms)
         assert sms <= batch * 8 * splits <= 4 * sms and splits <= triton_attention.MAX_SPLITS
+
+
+def test_engine_on_triton_kernels_matches_hf(tiny_model, hf_model, monkeypatch):
+    """The whole engine on the Triton backend: chunked prefill, mixed and decode steps, prefix hits, a shrinking
+    batch whose decode splits (CPU only: the interpreter stands in for a GPU; CUDA runs the GPU engine tests)."""
+    if DEVICE.type == "cuda":
+        pytest.skip("on CUDA the engine picks its backend itself (tests/test_kv_cache_dtype.py)")
+    from nanovllm import LLM, SamplingParams
+    from tests.conftest import assert_greedy_matches_hf
+    llm = LLM(tiny_model, kvcache_block_size=16, max_num_batched_tokens=32, num_kvcache_blocks=24)  # the
+    # interpreter copies every tensor argument (the caches too) to the host and back at each launch: keep it small
+    backend = object.__new__(triton_attention.TritonBackend)  # its __init__ insists on CUDA
+    llm.model_runner.backend = backend
+    for layer in llm.model_runner.attn_layers:
+        layer.backend = backend
+    # 4 "SMs": a batch of 1-3 sequences x 2 KV heads splits its keys in 8, 4 or 2
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 20, 40, 17)]
+    prompts.append(prompts[2][:32] + [9])  # a prefix hit on two full blocks once prompts[2] is cached
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 12, 4, 8, 6)]
+    llm.generate(prompts[2:3], params[2], use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert outputs[-1]["num_cached_tokens"] == 32
+    for prompt, out in zip(prompts, outputs):
+        assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])

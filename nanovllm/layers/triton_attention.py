@@ -242,10 +242,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     if paged:
         keys, values, block_size = k_cache, v_cache, k_cache.size(1)
         token_stride, head_stride = kv_heads * head_dim, head_dim
-    else:  # this step's keys: strided slices of the fused projection, in the model's dtype
+    else:  # a warm-up run: this step's own keys and values, which the kernel reads with one set of strides
         keys, values, block_size, k_scale, v_scale = k, v, 16, 1.0, 1.0
-        assert k.stride() == v.stride() and k.stride(-1) == 1
-        token_stride, head_stride = k.stride(0), k.stride(1)
+        if k.stride() != v.stride() or k.stride(-1) != 1:  # k is normed (contiguous), v a slice of the qkv output
+            keys, values = k.contiguous(), v.contiguous()
+        token_stride, head_stride = keys.stride(0), keys.stride(1)
     args = _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale, _compute_dtype(q.dtype, keys.dtype))
     rows = max(QUERY_ROWS, args["GROUP_PAD"])
     query_tile = rows // args["GROUP_PAD"]
