@@ -69,6 +69,10 @@ def test_torch_backend_fp8_round_trip():
     for x, got, scale in ((k, stored[0], k_scale), (v, stored[1], v_scale)):
         # round to nearest: half of e4m3's relative step of 1/8, or of 2**-9 (times the scale) among subnormals
         assert ((got * scale - x).abs() <= x.abs() / 16 + scale * 2 ** -10).all()
+    out_of_range = torch.tensor([1e3, -1e9])[:, None, None].expand(2, 2, 16)  # two tokens
+    saturated = [torch.zeros(2, 16, 2, 16, dtype=FP8_DTYPE) for _ in range(2)]
+    backend.store_kvcache(out_of_range, out_of_range, *saturated, torch.tensor([0, 1]))
+    assert saturated[0][0, :2, 0, 0].float().tolist() == [448.0, -448.0]  # saturated, not NaN
     meta = AttentionMetadata(slot_mapping=torch.arange(10), block_tables=torch.tensor([[0]]),
                              context_lens=torch.tensor([10]), cu_seqlens_q=torch.tensor([0, 1]), max_seqlen_q=1,
                              max_seqlen_k=10, query_lens_host=[1], context_lens_host=[10])

@@ -169,6 +169,7 @@ def test_triton_store_matches_torch(kv_fp8):
     qkv = torch.randn(num_tokens, 4 * num_kv_heads * head_dim, generator=gen) * 4
     k = qkv[:, 2 * num_kv_heads * head_dim:3 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
     v = qkv[:, 3 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    qkv[:3, -1] = torch.tensor([1e4, -1e4, 30.0])  # beyond FP8's range once divided by the scale: saturates
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[::4] = -1  # padding: writes nothing
     cache_dtype = FP8_DTYPE if kv_fp8 else torch.float32
