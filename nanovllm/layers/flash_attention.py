@@ -31,7 +31,9 @@ from nanovllm.layers import triton_kvstore
 FA2_BLOCK_MULTIPLE = 256
 MAX_HEAD_DIM = 256
 # GPUs (compute capability) where benchmarks/decode_attention.py measured the Triton decode kernel faster than
-# flash-attn-4's at every shape of its table: H200 (sm90), 2026-11-29
+# flash-attn-4's: H200 (sm90), 2026-11-29: 1.03-7.2x at 61 of its 72 shapes, even (0.99-1.01x) at 5 long ones,
+# 2-3 us slower at the 6 launch-bound ones (1 or 8 sequences of 128 tokens). A captured graph is per batch size,
+# and the contexts it will see are unknown, so the choice is per GPU: Triton for every decode step.
 TRITON_DECODE_FASTER_ON = {(9, 0)}
 
 
