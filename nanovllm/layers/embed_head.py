@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.linear import copy_weight
 from nanovllm.utils.parallel import tp_rank, tp_size
 
 
@@ -26,7 +27,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
         rows = max(min(self.vocab_end_idx, self.num_embeddings) - self.vocab_start_idx, 0)
-        param.data[:rows].copy_(loaded_weight.narrow(0, self.vocab_start_idx, rows))
+        if loaded_weight.size(0) != self.num_embeddings:
+            raise ValueError(f"{loaded_weight.size(0)} rows, but vocab_size={self.num_embeddings}")
+        copy_weight(param.data[:rows], loaded_weight.narrow(0, self.vocab_start_idx, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -1,7 +1,9 @@
 """Linear layers that shard their weights across tensor-parallel ranks.
 
 Each parameter carries a `weight_loader(param, loaded_weight[, shard_id])` that copies this rank's slice of
-a full checkpoint tensor into it, so the loader never needs to know how a layer is sharded.
+a full checkpoint tensor into it, so the loader never needs to know how a layer is sharded. A parameter filled
+from several checkpoint tensors also carries `shard_ids`, every shard id it expects, so that the loader can
+name a missing one.
 """
 import torch
 import torch.distributed as dist
@@ -9,6 +11,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.parallel import tp_rank, tp_size
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor):
+    """copy_ without broadcasting: a checkpoint tensor of the wrong shape is an error, never a silent fill."""
+    if dst.shape != src.shape:
+        raise ValueError(f"this rank's part has shape {list(src.shape)}, the parameter {list(dst.shape)}")
+    dst.copy_(src)
+
+
+def tp_shard(loaded: torch.Tensor, dim: int, size: int, rank: int, tp: int) -> torch.Tensor:
+    """Rank `rank`'s `size` slices along `dim` of a full checkpoint tensor, which must hold exactly `tp` of them."""
+    if loaded.dim() <= dim or loaded.size(dim) != size * tp:
+        raise ValueError(f"shape {list(loaded.shape)} should have {size * tp} along dimension {dim}")
+    return loaded.narrow(dim, rank * size, size)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -33,9 +49,8 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
         if self.tp_dim is not None and param.dim() > self.tp_dim:
-            size = param.size(self.tp_dim)
-            loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * size, size)
-        param.data.copy_(loaded_weight)
+            loaded_weight = tp_shard(loaded_weight, self.tp_dim, param.size(self.tp_dim), self.tp_rank, self.tp_size)
+        copy_weight(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -59,12 +74,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
+        for param in self.parameters():
+            param.shard_ids = tuple(range(len(output_sizes)))
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        shard = loaded_weight.chunk(self.tp_size, 0)[self.tp_rank]
-        param.data.narrow(0, offset, size).copy_(shard)
+        shard = tp_shard(loaded_weight, 0, size, self.tp_rank, self.tp_size)
+        copy_weight(param.data.narrow(0, offset, size), shard)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -76,12 +93,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = divide(num_heads, n, "num_attention_heads")
         self.num_kv_heads = divide(num_kv_heads, n, "num_key_value_heads")
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        for param in self.parameters():
+            param.shard_ids = ("q", "k", "v")
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        shard = loaded_weight.chunk(self.tp_size, 0)[self.tp_rank]
-        param.data.narrow(0, offset, size).copy_(shard)
+        shard = tp_shard(loaded_weight, 0, size, self.tp_rank, self.tp_size)
+        copy_weight(param.data.narrow(0, offset, size), shard)
 
 
 class RowParallelLinear(LinearBase):
