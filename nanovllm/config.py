@@ -6,6 +6,8 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.layers.attention import BACKEND_NAMES, FP8_DTYPE
+from nanovllm.models import check_model_config
+from nanovllm.utils.loader import LOAD_FORMATS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # vLLM's names: "auto" is the model's dtype; "fp8" means fp8_e4m3 (float8_e4m3fn, scaled per layer)
@@ -30,6 +32,7 @@ class Config:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" | "fp8_e4m3"
     seed: int = 0
     dist_port: int = 0  # rendezvous port of the tensor-parallel ranks; 0 picks a free one at start
+    load_format: str = "auto"  # "auto" | "safetensors" | "dummy": random weights made in memory (benchmarks)
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     eos_token_ids: tuple[int, ...] = ()  # filled in by the engine from the tokenizer and generation_config
 
@@ -66,11 +69,14 @@ class Config:
         if self.attention_backend not in ("auto", *BACKEND_NAMES):
             raise ValueError(f"attention_backend={self.attention_backend!r} is unknown; valid ones are "
                              f"{['auto', *BACKEND_NAMES]}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r} must be one of {list(LOAD_FORMATS)}")
 
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        check_model_config(self.hf_config, self.max_model_len)  # architecture, rope, activation, sliding window
         tp = self.tensor_parallel_size
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
             value = getattr(self.hf_config, name, None)
             if value is not None and value % tp:  # the vocabulary need not divide: it is padded
                 raise ValueError(f"the model's {name}={value} does not divide by tensor_parallel_size={tp}")

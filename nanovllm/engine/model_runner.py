@@ -64,7 +64,7 @@ class ModelRunner:
         hf_config = config.hf_config
         with default_dtype(self.dtype), self.device:
             self.model = model_class(hf_config)(hf_config)
-        load_model(self.model, config.model)
+        load_model(self.model, config.model, config.load_format)
         self.backend = get_backend(self._backend_name())
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:

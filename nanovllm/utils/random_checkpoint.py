@@ -1,9 +1,14 @@
-"""Random-weight Qwen3 checkpoints with a locally trained byte-level BPE tokenizer.
+"""Random-weight checkpoints of every supported family, with a locally trained byte-level BPE tokenizer.
 
 Lets tests, example.py and bench.py run with nothing downloaded:
 
-    path = make_random_checkpoint("/tmp/qwen3-tiny")          # or
-    path = default_checkpoint("tiny")                           # cached build
+    path = make_random_checkpoint("/tmp/qwen3-tiny")            # or
+    path = default_checkpoint("tiny")                             # cached build
+    path = make_random_checkpoint("/tmp/moe", "qwen3-30b-a3b", with_weights=False)   # for load_format="dummy"
+
+A shape is a config of one family (`model_type`); the real ones carry the published configs' numbers. The
+tensors' names and shapes follow the family's options in `nanovllm/models` (the same ones the engine builds
+from), and `random_tensors` streams them, which is also what load_format="dummy" loads.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+_LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192, rope_theta=500000.0)
 SHAPES: dict[str, dict] = {
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -22,13 +29,71 @@ SHAPES: dict[str, dict] = {
         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
         dtype="float32",
     ),
+    # tiny CPU test shapes of the other families; llama3 rope with a short original context, so that
+    # positions of a test prompt reach all three of its frequency bands
+    "tiny-llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
+        rope_parameters=dict(_LLAMA3_ROPE, factor=8.0, original_max_position_embeddings=256),
+        rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=False, mlp_bias=False, dtype="float32",
+    ),
+    "tiny-mistral": dict(
+        model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096, rope_theta=1e6,
+        sliding_window=None, rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="float32",
+    ),
+    "tiny-qwen2": dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32",
+    ),
+    "tiny-qwen3-moe": dict(
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+        max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        attention_bias=False, dtype="float32",
+    ),
     "qwen3-0.6b": dict(
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
         dtype="bfloat16",
     ),
+    "llama-3.2-1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+        rope_parameters=dict(_LLAMA3_ROPE, factor=32.0), rms_norm_eps=1e-5, tie_word_embeddings=True,
+        attention_bias=False, mlp_bias=False, dtype="bfloat16",
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+        rope_parameters=dict(_LLAMA3_ROPE, factor=8.0), rms_norm_eps=1e-5, tie_word_embeddings=False,
+        attention_bias=False, mlp_bias=False, dtype="bfloat16",
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+        use_sliding_window=False, sliding_window=32768, max_window_layers=21, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, dtype="bfloat16",
+    ),
+    "mistral-7b": dict(  # v0.3: no sliding window, 32768-token vocabulary
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
+        max_position_embeddings=32768, rope_theta=1e6, sliding_window=None, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, dtype="bfloat16",
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        attention_bias=False, dtype="bfloat16",
+    ),
 }
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -91,18 +156,30 @@ def _corpus() -> list[str]:
 def _resolve_config(shape: str, overrides: dict) -> dict:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; valid shapes: {sorted(SHAPES)}")
-    from transformers import Qwen3Config
+    from transformers import CONFIG_MAPPING
 
-    known = set(SHAPES[shape]) | set(Qwen3Config().to_dict())
+    cfg = {"model_type": "qwen3", **SHAPES[shape]}
+    config_class = CONFIG_MAPPING[cfg["model_type"]]
+    if "model_type" in overrides:
+        raise ValueError(f"model_type cannot be overridden; pick a shape of that family from {sorted(SHAPES)}")
+    known = set(cfg) | set(config_class().to_dict()) | set(config_class.attribute_map)
     bad = sorted(set(overrides) - known)
     if bad:
-        raise ValueError(f"unknown Qwen3 config field(s): {bad}")
-    cfg = {**SHAPES[shape], **overrides}
+        raise ValueError(f"unknown {config_class.__name__} config field(s): {bad}")
+    cfg.update(overrides)
     if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     if cfg["vocab_size"] < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} for a byte-level BPE")
     return cfg
+
+
+def hf_config(cfg: dict, **token_ids):
+    """The transformers config of a resolved shape."""
+    from transformers import CONFIG_MAPPING
+
+    fields = {key: value for key, value in cfg.items() if key != "model_type"}
+    return CONFIG_MAPPING[cfg["model_type"]](**fields, architectures=[ARCHITECTURES[cfg["model_type"]]], **token_ids)
 
 
 def build_tokenizer(vocab_size: int, model_max_length: int = 4096):
@@ -133,82 +210,110 @@ def build_tokenizer(vocab_size: int, model_max_length: int = 4096):
     return fast
 
 
-def _param_specs(cfg: dict):
-    """(name, shape, mean, std) with the names and shapes of transformers' Qwen3ForCausalLM."""
-    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    embed = (cfg["vocab_size"], h), 0.0, h ** -0.5
+def param_specs(config):
+    """(name, shape, mean, std) of every tensor of a checkpoint of `config`, in transformers' names; which
+    tensors exist (biases, q/k norms, experts) is what the family in `nanovllm.models` builds."""
+    from nanovllm.models import model_class
+    from nanovllm.models.decoder import head_dim
+
+    family = model_class(config)
+    attention = family.attention_options(config)
+    h, d = config.hidden_size, head_dim(config)
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    embed = (config.vocab_size, h), 0.0, h ** -0.5
 
     linear = lambda out_f, in_f: ((out_f, in_f), 0.0, LINEAR_GAIN * in_f ** -0.5)  # noqa: E731
     norm = lambda n: ((n,), 1.0, NORM_STD)  # noqa: E731
 
+    def gated_mlp(prefix: str, size: int, bias: bool):
+        for proj, (out_f, in_f) in dict(gate_proj=(size, h), up_proj=(size, h), down_proj=(h, size)).items():
+            yield (f"{prefix}{proj}.weight", *linear(out_f, in_f))
+            if bias:
+                yield f"{prefix}{proj}.bias", (out_f,), 0.0, BIAS_STD
+
     yield ("model.embed_tokens.weight", *embed)
-    for i in range(cfg["num_hidden_layers"]):
+    for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         for proj, (out_f, in_f) in dict(q_proj=(q, h), k_proj=(kv, h), v_proj=(kv, h), o_proj=(h, q)).items():
             yield (f"{p}self_attn.{proj}.weight", *linear(out_f, in_f))
-            if cfg["attention_bias"]:
+            if attention.o_bias if proj == "o_proj" else attention.qkv_bias:
                 yield f"{p}self_attn.{proj}.bias", (out_f,), 0.0, BIAS_STD
-        yield (f"{p}self_attn.q_norm.weight", *norm(d))
-        yield (f"{p}self_attn.k_norm.weight", *norm(d))
-        yield (f"{p}mlp.gate_proj.weight", *linear(inter, h))
-        yield (f"{p}mlp.up_proj.weight", *linear(inter, h))
-        yield (f"{p}mlp.down_proj.weight", *linear(h, inter))
+        if attention.qk_norm:
+            yield (f"{p}self_attn.q_norm.weight", *norm(d))
+            yield (f"{p}self_attn.k_norm.weight", *norm(d))
+        mlp = family.mlp_options(config, i)
+        if mlp.num_experts:
+            # router logits of std ~LINEAR_GAIN: tokens spread over the experts, and routing depends on context
+            yield (f"{p}mlp.gate.weight", *linear(mlp.num_experts, h))
+            for e in range(mlp.num_experts):
+                yield from gated_mlp(f"{p}mlp.experts.{e}.", mlp.intermediate_size, False)
+        else:
+            yield from gated_mlp(f"{p}mlp.", mlp.intermediate_size, mlp.bias)
         yield (f"{p}input_layernorm.weight", *norm(h))
         yield (f"{p}post_attention_layernorm.weight", *norm(h))
     yield ("model.norm.weight", *norm(h))
-    if not cfg["tie_word_embeddings"]:
+    if not config.tie_word_embeddings:
         yield ("lm_head.weight", *embed)
 
 
-def random_state_dict(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights, generated in float32 chunks (bounded memory) and stored in cfg's dtype."""
-    dtype = getattr(torch, cfg.get("dtype") or "float32")
-    gen = torch.Generator().manual_seed(seed)
-    buf = torch.empty(1 << 22, dtype=torch.float32)
-    out = {}
-    for name, shape, mean, std in _param_specs(cfg):
-        t = torch.empty(shape, dtype=dtype)
+def checkpoint_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or torch.float32
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
+
+
+def random_tensors(config, seed: int = 0, device: str | torch.device = "cpu"):
+    """(name, tensor) of `param_specs(config)`, one at a time, in the config's dtype on `device`; drawn in
+    float32 chunks from one generator (bounded memory; on CPU the same numbers whatever the device count)."""
+    dtype = checkpoint_dtype(config)
+    gen = torch.Generator(device).manual_seed(seed)
+    buf = torch.empty(1 << 22, dtype=torch.float32, device=device)
+    for name, shape, mean, std in param_specs(config):
+        t = torch.empty(shape, dtype=dtype, device=device)
         flat = t.view(-1)
         for start in range(0, flat.numel(), buf.numel()):
             chunk = flat[start:start + buf.numel()]
             chunk.copy_(buf[:chunk.numel()].normal_(mean, std, generator=gen))
-        out[name] = t
-    return out
+        yield name, t
 
 
-def _write(folder: Path, cfg: dict, seed: int) -> None:
+def checkpoint_bytes(shape: str, **overrides) -> int:
+    """Bytes of the weights of a random checkpoint of `shape` (nothing is generated)."""
+    config = hf_config(_resolve_config(shape, overrides))
+    itemsize = checkpoint_dtype(config).itemsize
+    return sum(itemsize * torch.Size(shape).numel() for _, shape, _, _ in param_specs(config))
+
+
+def _write(folder: Path, cfg: dict, seed: int, with_weights: bool) -> None:
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, Qwen3Config
+    from transformers import GenerationConfig
 
     tokenizer = build_tokenizer(cfg["vocab_size"], cfg["max_position_embeddings"])
     eos, im_end = tokenizer.convert_tokens_to_ids([EOS_TOKEN, IM_END])
     tokenizer.save_pretrained(folder)
-    config = Qwen3Config(
-        **cfg, architectures=["Qwen3ForCausalLM"], bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-    )
+    config = hf_config(cfg, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     config.save_pretrained(folder)
     GenerationConfig(bos_token_id=eos, eos_token_id=[eos, im_end], pad_token_id=eos).save_pretrained(folder)
-    save_file(random_state_dict(cfg, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(folder / "model.safetensors", 0o644)  # safetensors creates it 0600
+    if with_weights:
+        save_file(dict(random_tensors(config, seed)), str(folder / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(folder / "model.safetensors", 0o644)  # safetensors creates it 0600
 
 
-_REQUIRED = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+_REQUIRED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
-def is_complete(path: str | os.PathLike) -> bool:
+def is_complete(path: str | os.PathLike, with_weights: bool = True) -> bool:
     path = Path(path)
-    return all((path / f).is_file() for f in _REQUIRED)
+    return all((path / f).is_file() for f in _REQUIRED + ("model.safetensors",) * with_weights)
 
 
-def _build(path: Path, shape: str, seed: int, overrides: dict, replace: bool) -> Path:
+def _build(path: Path, shape: str, seed: int, overrides: dict, replace: bool, with_weights: bool = True) -> Path:
     cfg = _resolve_config(shape, overrides)
     path = Path(path).expanduser().absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _write(tmp, cfg, seed)
+        _write(tmp, cfg, seed, with_weights)
         try:
             os.rename(tmp, path)  # atomic; also replaces an empty directory
         except OSError:
@@ -222,33 +327,37 @@ def _build(path: Path, shape: str, seed: int, overrides: dict, replace: bool) ->
     return path
 
 
-def make_random_checkpoint(path, shape: str = "tiny", seed: int = 0, **overrides) -> Path:
-    """Write a random-weight Qwen3ForCausalLM checkpoint plus tokenizer into folder `path`."""
-    return _build(Path(path), shape, seed, overrides, replace=True)
+def make_random_checkpoint(path, shape: str = "tiny", seed: int = 0, with_weights: bool = True,
+                           **overrides) -> Path:
+    """Write a random-weight checkpoint of `shape`'s family plus tokenizer into folder `path`; without weights,
+    only the config and tokenizer (for load_format="dummy", which makes the same weights in memory)."""
+    return _build(Path(path), shape, seed, overrides, replace=True, with_weights=with_weights)
 
 
-def default_checkpoint(shape: str = "tiny") -> Path:
+def default_checkpoint(shape: str = "tiny", with_weights: bool = True) -> Path:
     """Cached random checkpoint under $NANOVLLM_CACHE (or ~/.cache/nanovllm), built on first use."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; valid shapes: {sorted(SHAPES)}")
     root = Path(os.environ.get("NANOVLLM_CACHE") or Path.home() / ".cache" / "nanovllm").expanduser()
-    path = root / f"random-{shape}"
-    if not is_complete(path):
+    path = root / (f"random-{shape}" if with_weights else f"random-{shape}-no-weights")
+    if not is_complete(path, with_weights):
         # replace only a pre-existing incomplete folder; if we lose a rename race, use the winner's
-        _build(path, shape, 0, {}, replace=path.exists())
+        _build(path, shape, 0, {}, replace=path.exists(), with_weights=with_weights)
     return path
 
 
 def _main() -> None:  # python -m nanovllm.utils.random_checkpoint PATH [--shape S] [--seed N] [--set K=JSON ...]
     import argparse, time
 
-    ap = argparse.ArgumentParser(description="write a random-weight Qwen3 checkpoint")
+    ap = argparse.ArgumentParser(description="write a random-weight checkpoint")
     ap.add_argument("path")
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-weights", action="store_true", help="config and tokenizer only (load_format='dummy')")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="config overrides")
     args, t = ap.parse_args(), time.perf_counter()
-    out = make_random_checkpoint(args.path, args.shape, args.seed, **{k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)})
+    overrides = {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)}
+    out = make_random_checkpoint(args.path, args.shape, args.seed, not args.no_weights, **overrides)
     print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e9:.3f} GB) in {time.perf_counter() - t:.1f}s")
 
 

@@ -1,0 +1,186 @@
+"""The decoder every supported family shares: pre-norm layers of grouped-query attention with rope and a gated
+MLP (dense, or a mixture of experts), RMSNorm, a vocabulary-parallel embedding and LM head (tied or not).
+
+A family subclasses `DecoderForCausalLM` and states only what differs: `attention_options` (q/k RMSNorm,
+biases), `mlp_options` of each layer (dense size and bias, or experts) and any extra `check`. The random
+checkpoints of `utils/random_checkpoint.py` read the same options, so their tensors are the family's.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanovllm.layers.activation import gated_activation
+from nanovllm.layers.attention import Attention, AttentionMetadata
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.moe import SparseMoeBlock
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_inv_freq
+
+MOE_ACTIVATIONS = ("silu", "swish")  # the fused kernel computes silu(gate) * up
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    qk_norm: bool = False  # RMSNorm over each head of q and k, before rope (Qwen3)
+    qkv_bias: bool = False
+    o_bias: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class MLPOptions:
+    intermediate_size: int  # per expert when num_experts > 0
+    bias: bool = False
+    num_experts: int = 0  # 0: a dense MLP
+    top_k: int = 0
+    renormalize: bool = False  # routing weights of the top_k renormalised to sum to 1 (norm_topk_prob)
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The attention window that some layer uses, read as transformers reads it; None when all see everything."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+class DecoderAttention(nn.Module):
+
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        dim = head_dim(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=options.qkv_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, dim
+        self.q_size, self.kv_size = self.num_heads * dim, self.num_kv_heads * dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * dim, config.hidden_size, bias=options.o_bias)
+        self.rotary_emb = rotary_emb  # one module shared by every layer: its cos/sin table is built once
+        self.attn = Attention(self.num_heads, dim, dim ** -0.5, self.num_kv_heads)
+        self.qk_norm = options.qk_norm
+        if options.qk_norm:
+            self.q_norm = RMSNorm(dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(dim, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class DenseMLP(nn.Module):
+
+    def __init__(self, hidden_size: int, options: MLPOptions, hidden_act: str):
+        super().__init__()
+        size = options.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [size, size], bias=options.bias)
+        self.down_proj = RowParallelLinear(size, hidden_size, bias=options.bias)
+        self.act_fn = gated_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+
+    def __init__(self, config: PretrainedConfig, attention: AttentionOptions, mlp: MLPOptions,
+                 rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = DecoderAttention(config, attention, rotary_emb)
+        if mlp.num_experts:
+            self.mlp = SparseMoeBlock(config.hidden_size, mlp.intermediate_size, mlp.num_experts, mlp.top_k,
+                                      mlp.renormalize)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, mlp, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual, meta):
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, meta)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderModel(nn.Module):
+
+    def __init__(self, config: PretrainedConfig, attention: AttentionOptions, mlps: list[MLPOptions]):
+        super().__init__()
+        rotary_emb = get_rope(config, head_dim(config))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, attention, mlp, rotary_emb) for mlp in mlps])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, meta)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class DecoderForCausalLM(nn.Module):
+    """A causal LM of the shared decoder; subclasses override the class methods below."""
+    # checkpoint name -> (parameter name, shard) for projections that are fused here
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        return AttentionOptions()
+
+    @classmethod
+    def mlp_options(cls, config: PretrainedConfig, layer: int) -> MLPOptions:
+        return MLPOptions(config.intermediate_size)
+
+    @classmethod
+    def check(cls, config: PretrainedConfig, max_model_len: int | None = None):
+        """Raise ValueError for a config this engine would run wrongly (before any weight is allocated)."""
+        rope_inv_freq(config, head_dim(config))
+        gated_activation(config.hidden_act)
+        window = sliding_window(config)
+        if window is not None and max_model_len is not None and window < max_model_len:
+            raise ValueError(f"sliding_window={window} is shorter than max_model_len={max_model_len}: sliding-window "
+                             f"attention is not implemented, so pass max_model_len <= {window}")
+        for layer in range(config.num_hidden_layers):
+            mlp = cls.mlp_options(config, layer)
+            if mlp.num_experts and config.hidden_act not in MOE_ACTIVATIONS:
+                raise ValueError(f"hidden_act={config.hidden_act!r} is not supported in mixture-of-experts layers; "
+                                 f"supported activations there are {list(MOE_ACTIVATIONS)}")
+            if mlp.num_experts and not 0 < mlp.top_k <= mlp.num_experts:
+                raise ValueError(f"num_experts_per_tok={mlp.top_k} must be in [1, num_experts={mlp.num_experts}]")
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.check(config)
+        self.config = config
+        mlps = [self.mlp_options(config, layer) for layer in range(config.num_hidden_layers)]
+        self.model = DecoderModel(config, self.attention_options(config), mlps)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden_states)
