@@ -1,0 +1,146 @@
+"""Every supported family against Hugging Face on CPU: greedy tokens teacher-forced, rope scaling included, and
+the configs that must be refused (unknown rope type or activation, a sliding window shorter than max_model_len)."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.rotary_embedding import rope_inv_freq
+from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from tests.conftest import assert_greedy_matches_hf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# up to ~300 positions: past the 256-token original context of tiny-llama's llama3 rope
+PROMPTS = [[7] * 3, list(range(3, 60)), list(range(100, 400)), list(range(3, 60)) + [9, 9]]
+
+
+def hf_model(path):
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def check_against_hf(path, **engine_args):
+    hf = hf_model(path)
+    with LLM(str(path), kvcache_block_size=16, **engine_args) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert_greedy_matches_hf(hf, prompt, out["token_ids"])
+    return outputs
+
+
+FAMILIES = {
+    "llama3-rope-tied": ("tiny-llama", {}),
+    "llama-linear-rope-biases": ("tiny-llama", dict(
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=False, num_key_value_heads=1,
+        rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=10000.0))),
+    "llama2-plain-rope-mha": ("tiny-llama", dict(num_key_value_heads=4, head_dim=None,
+                                                 rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "mistral": ("tiny-mistral", {}),
+    "qwen2": ("tiny-qwen2", {}),
+    "qwen3-moe": ("tiny-qwen3-moe", {}),
+    "qwen3-moe-sparse-step-and-dense-layers": ("tiny-qwen3-moe", dict(
+        num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False, num_experts=6,
+        num_experts_per_tok=3)),
+}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_matches_hf(tmp_path, name):
+    shape, overrides = FAMILIES[name]
+    check_against_hf(make_random_checkpoint(tmp_path / name, shape, **overrides))
+
+
+def test_qwen3_moe_layers_follow_the_config(tmp_path):
+    _, overrides = FAMILIES["qwen3-moe-sparse-step-and-dense-layers"]
+    path = make_random_checkpoint(tmp_path / "moe", "tiny-qwen3-moe", **overrides)
+    with LLM(str(path), kvcache_block_size=16) as llm:
+        layers = llm.model_runner.model.model.layers
+        # (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers: layer 1 only
+        assert [type(layer.mlp).__name__ for layer in layers] == ["DenseMLP", "SparseMoeBlock", "DenseMLP",
+                                                                 "DenseMLP"]
+        assert layers[1].mlp.experts.gate_up_proj.shape == (6, 64, 64)
+
+
+def test_legacy_rope_scaling_config(tmp_path):
+    """A config.json written by older transformers: `rope_scaling` with "type", `rope_theta` at the top."""
+    path = make_random_checkpoint(tmp_path / "legacy", "tiny-llama")
+    config = json.loads((path / "config.json").read_text())
+    config.pop("rope_parameters")
+    config.update(rope_theta=500000.0, rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                         high_freq_factor=4.0, original_max_position_embeddings=256))
+    (path / "config.json").write_text(json.dumps(config))
+    check_against_hf(path)
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="default", rope_theta=10000.0),
+    dict(rope_type="linear", factor=2.5, rope_theta=500000.0),
+    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+         original_max_position_embeddings=8192, rope_theta=500000.0),
+    dict(rope_type="llama3", factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0,
+         original_max_position_embeddings=512, rope_theta=10000.0),
+])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rope_frequencies_equal_transformers(rope, head_dim):
+    config = AutoConfig.for_model("llama", hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                                  max_position_embeddings=131072, rope_parameters=dict(rope))
+    expected, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu") if rope["rope_type"] != "default" \
+        else (1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)), 1.0)
+    assert scaling == 1.0
+    assert torch.equal(rope_inv_freq(config, head_dim), expected)
+
+
+def test_mistral_sliding_window(tmp_path):
+    path = make_random_checkpoint(tmp_path / "window", "tiny-mistral", sliding_window=320)
+    with pytest.raises(ValueError, match="sliding_window=320 is shorter than max_model_len=4096"):
+        LLM(str(path))
+    # a window no shorter than any sequence is full attention: it runs, and equals HF (which applies the window)
+    check_against_hf(path, max_model_len=320)
+
+
+def test_qwen2_sliding_window_layers(tmp_path):
+    path = make_random_checkpoint(tmp_path / "qwen2", "tiny-qwen2", use_sliding_window=True, sliding_window=128,
+                                  max_window_layers=1)
+    with pytest.raises(ValueError, match="sliding_window=128 is shorter than max_model_len=1024"):
+        LLM(str(path), max_model_len=1024)
+    # with use_sliding_window false (Qwen2.5's configs), the window field is not a limit
+    path = make_random_checkpoint(tmp_path / "off", "tiny-qwen2", use_sliding_window=False, sliding_window=128)
+    LLM(str(path), max_model_len=1024).close()
+
+
+def rewrite_config(path, **fields):
+    config = json.loads((path / "config.json").read_text())
+    config.update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_unknown_rope_type_and_activation_are_errors(tmp_path):
+    path = make_random_checkpoint(tmp_path / "m", "tiny-llama")
+    rewrite_config(path, rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                                              original_max_position_embeddings=256))
+    with pytest.raises(ValueError, match=r"rope_type='yarn' is not supported; .*'default', 'linear', 'llama3'"):
+        LLM(str(path))
+    # transformers 5 refuses this one itself when it reads config.json; older versions pass it on to us
+    legacy = SimpleNamespace(rope_scaling=dict(type="llama3", factor=8.0), rope_theta=1e4, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="rope_type='llama3' needs 'low_freq_factor'"):
+        rope_inv_freq(legacy, 16)
+    rewrite_config(path, rope_parameters=dict(rope_type="default", rope_theta=10000.0), hidden_act="relu2")
+    with pytest.raises(ValueError, match=r"hidden_act='relu2' is not supported; .*'silu'"):
+        LLM(str(path))
+    moe = make_random_checkpoint(tmp_path / "moe", "tiny-qwen3-moe")
+    rewrite_config(moe, hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported in mixture-of-experts layers"):
+        LLM(str(moe))
+    rewrite_config(moe, hidden_act="silu", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match=r"architectures=\['GPT2LMHeadModel'\] is not supported"):
+        LLM(str(moe))
+
+
+def test_gelu_mlp_matches_hf(tmp_path):
+    path = make_random_checkpoint(tmp_path / "gelu", "tiny-llama", hidden_act="gelu_pytorch_tanh")
+    check_against_hf(path)
