@@ -4,6 +4,11 @@
     python bench.py --model /path/to/model   # a real checkpoint
     python bench.py --enforce-eager          # without CUDA graphs
     python bench.py --engine hf              # Hugging Face generate on the same weights and prompts
+    python bench.py --shape qwen3-30b-a3b    # random weights in another family's real shape (see --help)
+
+A shape whose checkpoint would exceed 4 GB is not written: its folder holds config.json and the tokenizer, and
+the engine makes random weights in memory (load_format="dummy"; --engine hf then runs transformers' own random
+initialisation of the same config, which costs the same per token).
 """
 import argparse
 import time
@@ -13,14 +18,19 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import default_checkpoint
+from nanovllm.utils.random_checkpoint import SHAPES, checkpoint_bytes, default_checkpoint
+
+DUMMY_ABOVE_BYTES = 4e9  # larger random checkpoints are made in memory, not written (qwen3-30b-a3b: 61 GB)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a Hugging Face model folder (default: random weights)")
-    parser.add_argument("--shape", help="random-weight shape when no --model is given "
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="random-weight shape when no --model is given "
                         "(default: qwen3-0.6b on CUDA, tiny on CPU)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], help="dummy: random weights in memory "
+                        "(default: dummy for a --shape whose checkpoint exceeds 4 GB)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-input-len", type=int, default=1024)
@@ -34,22 +44,27 @@ def main():
     parser.add_argument("--hf-batch-size", type=int, default=256)
     args = parser.parse_args()
 
-    path = args.model or str(default_checkpoint(args.shape or ("qwen3-0.6b" if torch.cuda.is_available() else "tiny")))
+    shape = args.shape or ("qwen3-0.6b" if torch.cuda.is_available() else "tiny")
+    load_format = args.load_format or ("dummy" if not args.model and checkpoint_bytes(shape) > DUMMY_ABOVE_BYTES
+                                       else "auto")
+    path = args.model or str(default_checkpoint(shape, with_weights=load_format != "dummy"))
     vocab_size = AutoConfig.from_pretrained(path).vocab_size
     seed(0)  # the same draws as nano-vllm's bench.py, folded into small vocabularies
     prompt_token_ids = [[randint(0, 10000) % vocab_size for _ in range(randint(args.min_len, args.max_input_len))]
                         for _ in range(args.num_seqs)]
     output_lens = [randint(args.min_len, args.max_output_len) for _ in range(args.num_seqs)]
 
-    model = args.model or f"random {args.shape or ('qwen3-0.6b' if torch.cuda.is_available() else 'tiny')}"
+    model = args.model or f"random {shape}"
     if args.engine == "hf":
         print(f"Hugging Face generate on {model}: {len(prompt_token_ids)} prompts x {args.hf_output_len} new tokens",
               flush=True)
-        total_tokens, elapsed, where = run_hf(path, prompt_token_ids, args.hf_output_len, args.hf_batch_size)
+        total_tokens, elapsed, where = run_hf(path, prompt_token_ids, args.hf_output_len, args.hf_batch_size,
+                                              random_init=load_format == "dummy")
     else:
         llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-                  tensor_parallel_size=args.tp, prefill_first=args.prefill_first)
-        where = f"{llm.config.device}, {llm.config.dtype}, TP={args.tp}"
+                  tensor_parallel_size=args.tp, prefill_first=args.prefill_first, load_format=load_format,
+                  kv_cache_dtype=args.kv_cache_dtype)
+        where = f"{llm.config.device}, {llm.config.dtype}, KV {llm.config.kv_cache_dtype}, TP={args.tp}"
         print(f"nano-vllm on {model} ({where}): {len(prompt_token_ids)} prompts, {sum(output_lens)} tokens to "
               "generate", flush=True)
         sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
@@ -58,19 +73,24 @@ def main():
         outputs = llm.generate(prompt_token_ids, sampling_params)  # a progress bar when stderr is a terminal
         elapsed = time.perf_counter() - t
         total_tokens = sum(len(o["token_ids"]) for o in outputs)
-    flags = "".join(f" ({f})" for f, on in (("eager", args.enforce_eager), ("prefill-first", args.prefill_first)) if on)
+    flags = "".join(f" ({f})" for f, on in (("eager", args.enforce_eager), ("prefill-first", args.prefill_first),
+                                            ("dummy weights", load_format == "dummy")) if on)
     print(f"Engine: {args.engine}{flags} on {model} ({where}), Total: {total_tokens}tok, "
           f"Time: {elapsed:.2f}s, Throughput: {total_tokens / elapsed:.2f}tok/s")
 
 
-def run_hf(path: str, prompt_token_ids: list[list[int]], output_len: int, batch_size: int
-           ) -> tuple[int, float, str]:
+def run_hf(path: str, prompt_token_ids: list[list[int]], output_len: int, batch_size: int,
+           random_init: bool = False) -> tuple[int, float, str]:
     """Hugging Face generate (sdpa), greedy, every prompt to exactly `output_len` new tokens; returns the
     tokens, the seconds and where it ran."""
     cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if cuda else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                 attn_implementation="sdpa").to("cuda" if cuda else "cpu").eval()
+    dtype, device = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
+    if random_init:  # no weights on disk: built straight on the device with transformers' own initialisation
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
+                                                     attn_implementation="sdpa").eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     pad = model.config.pad_token_id or 0
 
     def batches():

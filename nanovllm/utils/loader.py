@@ -84,7 +84,11 @@ def load_model(model: nn.Module, path: str, load_format: str = "auto"):
     """Fill every parameter of `model` from the checkpoint in `path` (or random tensors: "dummy")."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} must be one of {list(LOAD_FORMATS)}")
-    tensors = dummy_tensors(model) if load_format == "dummy" else safetensors_tensors(path)
+    load_tensors(model, dummy_tensors(model) if load_format == "dummy" else safetensors_tensors(path), path)
+
+
+def load_tensors(model: nn.Module, tensors: Iterator[tuple[str, str, torch.Tensor]], path: str):
+    """Fill every parameter from (name, source, tensor) triples; `path` names the checkpoint in errors."""
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
     filled: dict[str, set] = {}
