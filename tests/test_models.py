@@ -113,6 +113,15 @@ def test_qwen2_sliding_window_layers(tmp_path):
     LLM(str(path), max_model_len=1024).close()
 
 
+def test_sliding_window_as_older_transformers_configs_hold_it():
+    """transformers 4 kept `sliding_window` set when `use_sliding_window` was false; it is not a limit then."""
+    from nanovllm.models.decoder import sliding_window
+    assert sliding_window(SimpleNamespace(sliding_window=4096, use_sliding_window=False)) is None
+    assert sliding_window(SimpleNamespace(sliding_window=4096, use_sliding_window=True)) == 4096
+    assert sliding_window(SimpleNamespace(sliding_window=4096)) == 4096  # Mistral has no switch
+    assert sliding_window(SimpleNamespace(sliding_window=4096, layer_types=["full_attention"] * 2)) is None
+
+
 def rewrite_config(path, **fields):
     config = json.loads((path / "config.json").read_text())
     config.update(fields)
