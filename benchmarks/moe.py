@@ -2,7 +2,7 @@
 fused Triton kernels (as the engine runs them: replayed from a CUDA graph) against the per-expert torch loop,
 for decode batches of 1..512 tokens and one prefill; random routing (router logits ~ N(0, 1)).
 
-    python benchmarks/moe.py [--tokens 1 2 4 8 16 32 64 128 256 512] [--prefill 4096] [--iters 50]
+    python benchmarks/moe.py [--tokens 1 2 4 8 16 32 64 128 256 512] [--prefill 4096] [--iters 30]
 
 Each row's floor is the larger of: its bytes (every expert that gets a token reads its 3 x 2048 x 768 weights;
 x, the [pairs, 768] intermediate and the [pairs, 2048] per-pair outputs are written and read once) at the copy
@@ -63,7 +63,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     parser.add_argument("--prefill", type=int, nargs="*", default=[4096])
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
     if not triton_moe.triton_available():
         raise SystemExit("benchmarks/moe.py needs CUDA and Triton")

@@ -186,7 +186,7 @@ def test_fused_kernels_interpreted():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", KERNEL_CASES + [(256, 128, 8, 2048, 768, None, "random"),
+@pytest.mark.parametrize("case", KERNEL_CASES[1::2] + [(256, 128, 8, 2048, 768, None, "random"),
                                                  (1, 128, 8, 2048, 768, None, "random"),
                                                  (3000, 128, 8, 2048, 768, None, "half the experts idle")])
 def test_fused_kernels_cuda_bf16(case):
