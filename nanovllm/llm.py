@@ -16,17 +16,22 @@ class LLM(LLMEngine):
             raise TypeError("conversations must be a non-empty list of messages, or a list of such lists")
         if isinstance(conversations[0], dict):
             conversations = [conversations]
+        prompts = [self.apply_chat_template(conversation, chat_template, add_generation_prompt, chat_template_kwargs)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[int]:
+        """The token ids of one conversation through the chat template, as `chat()` submits them (not yet
+        checked against max_model_len: `encode()` does that). Safe to call while the engine runs."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.config.model} has no chat template; pass chat_template=")
-        prompts = []
-        for conversation in conversations:
-            if not isinstance(conversation, (list, tuple)) or not all(
-                    isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
-                raise TypeError("each conversation must be a list of {'role': ..., 'content': ...} dicts")
-            with self._tokenizer_lock:
-                text = self.tokenizer.apply_chat_template(
-                    list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
-                    chat_template=chat_template, **(chat_template_kwargs or {}))
-                # the template wrote the special tokens already
-                prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm)
+        if not isinstance(conversation, (list, tuple)) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
+            raise TypeError("each conversation must be a list of {'role': ..., 'content': ...} dicts")
+        with self._tokenizer_lock:
+            text = self.tokenizer.apply_chat_template(
+                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **(chat_template_kwargs or {}))
+            # the template wrote the special tokens already
+            return self.tokenizer.encode(text, add_special_tokens=False)
