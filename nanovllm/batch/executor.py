@@ -1,0 +1,88 @@
+"""Parsed batch requests on one engine: prompts to token ids (the chat template for chat), one `LLM.submit`
+handle per choice, and the finished handles to an OpenAI result line.
+
+`start` raises LineError for what only the engine can check (a prompt longer than max_model_len, a stop
+token outside the vocabulary, a template that rejects the conversation); nothing of that request stays
+queued. `finish` returns None for a request that was aborted: that is no result, and a resumed run serves
+it again. An engine failure propagates from `finish` (`RequestHandle.result` raises it).
+
+A request without max_tokens may run to max_model_len, as in vLLM's OpenAI server. With n > 1 and a seed,
+choice i uses seed + i: the choices differ, and the whole request is reproducible.
+"""
+from dataclasses import dataclass
+
+from nanovllm.batch.protocol import FINISH_REASONS, BatchRequest, LineError, result_line
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Pending:
+    request: BatchRequest
+    handles: list  # RequestHandles, prompt-major, n per prompt
+    num_prompt_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return all(handle.finished for handle in self.handles)
+
+    def abort(self):
+        for handle in self.handles:
+            if not handle.finished:
+                handle.abort()
+
+
+class BatchExecutor:
+
+    def __init__(self, llm, model_name: str, chat_template: str | None = None):
+        self.llm, self.model_name, self.chat_template = llm, model_name, chat_template
+        self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
+
+    def start(self, request: BatchRequest) -> Pending:
+        prompts = [self._token_ids(request, prompt) for prompt in (request.prompts or [None])]
+        max_model_len = self.llm.config.max_model_len
+        handles = []
+        try:
+            for token_ids in prompts:
+                max_tokens = request.max_tokens or max(max_model_len - len(token_ids), 1)
+                for i in range(request.n):
+                    sampling = dict(request.sampling)
+                    if request.n > 1 and sampling.get("seed") is not None:
+                        sampling["seed"] += i
+                    handles.append(self.llm.submit(token_ids, SamplingParams(**sampling, max_tokens=max_tokens)))
+        except (TypeError, ValueError) as e:  # checks that need the model, e.g. a stop token id past the vocabulary
+            for handle in handles:
+                handle.abort()
+            raise LineError("invalid_value", f"line {request.line}: {e}", request.custom_id) from None
+        return Pending(request, handles, sum(map(len, prompts)))
+
+    def finish(self, pending: Pending) -> tuple[dict, int] | None:
+        """The result line and its number of completion tokens; None if the request was aborted."""
+        outputs = [handle.result() for handle in pending.handles]
+        if any(out["finish_reason"] not in FINISH_REASONS for out in outputs):
+            return None
+        line = result_line(pending.request, outputs, pending.num_prompt_tokens, self.model_name, self.token_text)
+        return line, sum(len(out["token_ids"]) for out in outputs)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.llm.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _token_ids(self, request: BatchRequest, prompt) -> list[int]:
+        where = f"line {request.line}"
+        if request.chat:
+            try:
+                prompt = self.llm.apply_chat_template(request.messages, self.chat_template,
+                                                      chat_template_kwargs=request.chat_template_kwargs)
+            except Exception as e:  # the template may raise anything for a conversation it rejects
+                raise LineError("invalid_value", f"{where}: the chat template failed: {e}", request.custom_id) from None
+        if isinstance(prompt, list) and len(prompt) > self.llm.config.max_model_len:
+            raise LineError("prompt_too_long", f"{where}: the prompt has {len(prompt)} tokens, more than "
+                            f"max_model_len={self.llm.config.max_model_len}", request.custom_id)
+        try:
+            return self.llm.encode(prompt)
+        except (TypeError, ValueError) as e:
+            # a string prompt is only measured as the engine tokenizes it; its error names max_model_len
+            code = "prompt_too_long" if "max_model_len" in str(e) else "invalid_value"
+            raise LineError(code, f"{where}: {e}", request.custom_id) from None

@@ -1,0 +1,257 @@
+"""A resumable batch runner for files of OpenAI Batch requests (the format of vLLM's `run-batch`):
+
+    python -m nanovllm.run_batch -i requests.jsonl -o results.jsonl --model PATH [--max-model-len 4096 ...]
+
+Contract:
+- every input line with a custom_id gets exactly one output line with that custom_id; a line that cannot be
+  served (not JSON, a missing or duplicate custom_id, an unknown url, a bad field or value, a prompt too
+  long) gets an error line and the job goes on;
+- each result is appended and flushed as it finishes, in the order requests finish; running the same command
+  again skips what the output already holds (its torn last line, if any, is cut off and redone);
+- the input is streamed: at most --max-in-flight requests are in the engine, and as many wait parsed;
+- exit status: 0 when every line succeeded, 1 when some line failed, 2 for a bad command line, 3 when the run
+  stopped before every line was written (an engine failure; run it again to finish), 130 on Ctrl-C.
+Engine arguments are Config's fields as --kebab-case flags, so a new engine argument is a flag at once.
+`--data-parallel-size N` serves the file on N engine replicas through Ray (`nanovllm.ray`).
+"""
+import argparse
+import os
+import queue
+import sys
+import time
+import typing
+from dataclasses import MISSING, fields
+from time import perf_counter
+
+from tqdm.auto import tqdm
+
+from nanovllm.batch.executor import BatchExecutor
+from nanovllm.batch.intake import EOF, Reader, Stats, intake, record
+from nanovllm.batch.protocol import LineError, error_line
+from nanovllm.batch.results import ResultsFile
+from nanovllm.config import Config
+
+NOT_ENGINE_ARGUMENTS = {"model", "hf_config", "eos_token_ids"}  # set by the engine, not by its caller
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, config_cls=Config) -> list[str]:
+    """One --kebab-case flag per engine argument of `config_cls`, typed by its annotation; returns the names.
+    Flags that are not given stay out of the namespace, so the engine's own defaults apply."""
+    group = parser.add_argument_group("engine arguments (as LLM(model, **kwargs) takes them)")
+    hints = typing.get_type_hints(config_cls)
+    names = []
+    for f in fields(config_cls):
+        if f.name in NOT_ENGINE_ARGUMENTS:
+            continue
+        kind = hints[f.name]
+        options = typing.get_args(kind)
+        if type(None) in options and len(options) == 2:  # Optional[X] takes X
+            kind = next(option for option in options if option is not type(None))
+        default = f.default if f.default is not MISSING else None
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=f"(default: {default})")
+        elif kind in (int, float, str):
+            group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+                               help=f"(default: {default!r})")
+        else:
+            raise TypeError(f"engine argument {f.name} has type {kind}, which run_batch cannot take as a flag")
+        names.append(f.name)
+    return names
+
+
+def build_parser(config_cls=Config) -> tuple[argparse.ArgumentParser, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m nanovllm.run_batch", allow_abbrev=False,  # a misspelt flag must not match another
+        description="Serve a file of OpenAI Batch requests (one JSON object per line) with nano-vllm.",
+        epilog="Exit status: 0 every line succeeded, 1 some line failed (see its error), 2 bad command line, "
+               "3 stopped early (run the same command again to finish), 130 interrupted.")
+    parser.add_argument("-i", "--input-file", required=True, help="requests, JSON lines; '-' reads stdin")
+    parser.add_argument("-o", "--output-file", required=True,
+                        help="results, JSON lines, appended; a second run resumes it. '-' writes stdout "
+                             "(nothing can then be resumed)")
+    parser.add_argument("--model", required=True, help="model folder (config.json, safetensors, tokenizer)")
+    parser.add_argument("--max-in-flight", type=int, default=None, metavar="N",
+                        help="requests in the engine at once (default: 2 x max_num_seqs)")
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one "
+                        "(default: the tokenizer's)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                        help="engine replicas on Ray (nano-vllm[ray]); each takes tensor_parallel_size GPUs")
+    parser.add_argument("--ray-address", default=None,
+                        help="Ray cluster to join, e.g. 'auto' (default: RAY_ADDRESS, else a local one)")
+    return parser, add_engine_arguments(parser, config_cls)
+
+
+class Progress:
+    def __init__(self, total: int | None, disable: bool):
+        # a redirected stderr (a log file) gets a line every 30 s, not a flood
+        self.bar = tqdm(total=total, desc="run_batch", unit="line", file=sys.stderr, dynamic_ncols=True,
+                        disable=disable, mininterval=0.5 if sys.stderr.isatty() else 30)
+        self.start = perf_counter()
+
+    def update(self, stats: Stats):
+        self.bar.set_postfix({"failed": stats.failed + stats.skipped_failed,
+                              "tok/s": int(stats.completion_tokens / max(perf_counter() - self.start, 1e-9))},
+                             refresh=False)
+        self.bar.update(stats.lines - self.bar.n)
+
+    def close(self):
+        self.bar.close()
+
+
+def serve_locally(llm, items, results: ResultsFile, stats: Stats, progress: Progress, max_in_flight: int,
+                  model_name: str, chat_template: str | None = None):
+    """Serve `intake` items on one engine, at most `max_in_flight` requests at once, writing each result
+    when it finishes. On any exception (an engine failure, Ctrl-C) the requests in flight are aborted and
+    counted as interrupted, and the exception propagates."""
+    executor = BatchExecutor(llm, model_name, chat_template)
+    reader = Reader(items, maxsize=max_in_flight)
+    in_flight, eof = [], False
+    try:
+        while not eof or in_flight:
+            busy = False
+            while not eof and len(in_flight) < max_in_flight:
+                try:  # with nothing in flight, wait for input; else keep collecting results
+                    item = reader.queue.get(block=not in_flight, timeout=0.1)
+                except queue.Empty:
+                    break
+                busy = True
+                if item is EOF:
+                    eof = True
+                elif isinstance(item, BaseException):
+                    raise item
+                elif item[0] != "request":
+                    record(results, stats, item)
+                else:
+                    try:
+                        in_flight.append(executor.start(item[1]))
+                    except LineError as e:
+                        record(results, stats, ("error", error_line(e.custom_id, item[1].line, e.code, e.message)))
+            still_running = []
+            for pending in in_flight:
+                if not pending.finished:
+                    still_running.append(pending)
+                    continue
+                busy = True
+                done = executor.finish(pending)
+                if done is None:
+                    stats.interrupted += 1
+                else:
+                    results.write(done[0])
+                    stats.succeeded += 1
+                    stats.completion_tokens += done[1]
+            in_flight = still_running
+            progress.update(stats)
+            if not busy:
+                time.sleep(0.02)  # handles have no callback to wait on; scanning them is cheap at this rate
+    except BaseException:
+        for pending in in_flight:
+            pending.abort()
+        stats.interrupted += len(in_flight)
+        raise
+    finally:
+        reader.stop()
+
+
+def count_lines(path: str) -> int | None:
+    if path == "-" or not os.path.isfile(path):
+        return None
+    count, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            count, last = count + chunk.count(b"\n"), chunk[-1:]
+    return count + (last != b"\n")
+
+
+def summary(stats: Stats, seconds: float, output: str) -> str:
+    errors = ", ".join(f"{code} {n}" for code, n in sorted(stats.errors.items()))
+    text = (f"run_batch: {stats.lines} lines: {stats.succeeded} served, {stats.failed} failed"
+            + (f" ({errors})" if errors else ""))
+    if stats.skipped:
+        text += f"; {stats.skipped} written by an earlier run ({stats.skipped_failed} of them failed)"
+    if stats.interrupted:
+        text += f"; {stats.interrupted} stopped before they finished: run the same command again to finish them"
+    return (text + f"; {stats.completion_tokens} completion tokens in {seconds:.1f} s "
+            f"({stats.completion_tokens / max(seconds, 1e-9):.0f} tok/s); results in {output}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, engine_names = build_parser()
+    args = parser.parse_args(argv)
+    engine_args = {name: getattr(args, name) for name in engine_names if hasattr(args, name)}
+    if args.input_file != "-" and not os.path.isfile(args.input_file):
+        parser.error(f"input file {args.input_file!r} does not exist")
+    if args.output_file != "-" and args.input_file != "-" and os.path.exists(args.output_file) \
+            and os.path.samefile(args.input_file, args.output_file):
+        parser.error("the output file is the input file: results are appended, so that would destroy it")
+    for name in ("max_in_flight", "data_parallel_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.chat_template is not None and os.path.isfile(args.chat_template):
+        with open(args.chat_template) as f:
+            args.chat_template = f.read()
+    stdout_fd = None
+    if args.output_file == "-":  # results own stdout; whatever else prints (a library, Ray) goes to stderr
+        stdout_fd = os.dup(1)
+        os.dup2(2, 1)
+    try:
+        return _run(args, engine_args, stdout_fd)
+    finally:
+        if stdout_fd is not None:
+            os.dup2(stdout_fd, 1)
+            os.close(stdout_fd)
+
+
+def _run(args, engine_args: dict, stdout_fd: int | None) -> int:
+    try:  # the output first: a locked or foreign file is an error before any model loads
+        results = ResultsFile.stdout(os.dup(stdout_fd)) if stdout_fd is not None else ResultsFile.open(args.output_file)
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"run_batch: error: {e}", file=sys.stderr)
+        return 2
+    max_num_seqs = engine_args.get("max_num_seqs", next(f.default for f in fields(Config) if f.name == "max_num_seqs"))
+    max_in_flight = args.max_in_flight or 2 * max_num_seqs
+    llm = None
+    try:
+        if args.data_parallel_size == 1:
+            from nanovllm.llm import LLM
+            llm = LLM(args.model, **engine_args)
+        else:
+            from nanovllm import ray as nanovllm_ray
+            nanovllm_ray.check_engine_args(args.model, engine_args)
+            nanovllm_ray.init(args.ray_address)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:  # a bad engine argument, Ray missing
+        results.close()
+        print(f"run_batch: error: {e}", file=sys.stderr)
+        return 2
+    source = sys.stdin.buffer if args.input_file == "-" else open(args.input_file, "rb")
+    progress = Progress(count_lines(args.input_file), disable=args.no_progress)
+    stats, start, code = Stats(), perf_counter(), 0
+    try:
+        items = intake(source, results.done)
+        if llm is not None:
+            serve_locally(llm, items, results, stats, progress, max_in_flight, args.model, args.chat_template)
+        else:  # each replica takes two batches at once: max_in_flight requests in its engine
+            nanovllm_ray.serve_openai_batch(items, results, stats, progress, args.model, engine_args,
+                                            replicas=args.data_parallel_size, batch_size=max(max_in_flight // 2, 1),
+                                            chat_template=args.chat_template, address=args.ray_address)
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as e:  # an engine failure: what finished is written, a second run does the rest
+        print(f"\nrun_batch: the run stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        code = 3
+    finally:
+        progress.update(stats)
+        progress.close()
+        if llm is not None:
+            llm.close()
+        results.close()
+        if source is not sys.stdin.buffer:
+            source.close()
+    print(summary(stats, perf_counter() - start, results.name), file=sys.stderr)
+    return code or (3 if stats.interrupted else 1 if stats.any_failed else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
