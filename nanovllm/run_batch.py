@@ -177,11 +177,13 @@ def summary(stats: Stats, seconds: float, output: str) -> str:
             f"({stats.completion_tokens / max(seconds, 1e-9):.0f} tok/s); results in {output}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, llm=None) -> int:
+    """The command line; returns the exit status. `llm`: serve on this engine (its own arguments apply, and it
+    stays open) instead of building one, for programs and tests that hold an engine already."""
     parser, engine_names = build_parser()
     args = parser.parse_args(argv)
     engine_args = {name: getattr(args, name) for name in engine_names if hasattr(args, name)}
-    if args.input_file != "-" and not os.path.isfile(args.input_file):
+    if args.input_file != "-" and not os.path.exists(args.input_file):  # a FIFO is fine
         parser.error(f"input file {args.input_file!r} does not exist")
     if args.output_file != "-" and args.input_file != "-" and os.path.exists(args.output_file) \
             and os.path.samefile(args.input_file, args.output_file):
@@ -197,14 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         stdout_fd = os.dup(1)
         os.dup2(2, 1)
     try:
-        return _run(args, engine_args, stdout_fd)
+        return _run(args, engine_args, stdout_fd, llm)
     finally:
         if stdout_fd is not None:
             os.dup2(stdout_fd, 1)
             os.close(stdout_fd)
 
 
-def _run(args, engine_args: dict, stdout_fd: int | None) -> int:
+def _run(args, engine_args: dict, stdout_fd: int | None, given_llm) -> int:
     try:  # the output first: a locked or foreign file is an error before any model loads
         results = ResultsFile.stdout(os.dup(stdout_fd)) if stdout_fd is not None else ResultsFile.open(args.output_file)
     except (RuntimeError, ValueError, OSError) as e:
@@ -212,9 +214,11 @@ def _run(args, engine_args: dict, stdout_fd: int | None) -> int:
         return 2
     max_num_seqs = engine_args.get("max_num_seqs", next(f.default for f in fields(Config) if f.name == "max_num_seqs"))
     max_in_flight = args.max_in_flight or 2 * max_num_seqs
-    llm = None
+    llm = given_llm
     try:
-        if args.data_parallel_size == 1:
+        if llm is not None:
+            pass
+        elif args.data_parallel_size == 1:
             from nanovllm.llm import LLM
             llm = LLM(args.model, **engine_args)
         else:
@@ -244,7 +248,7 @@ def _run(args, engine_args: dict, stdout_fd: int | None) -> int:
     finally:
         progress.update(stats)
         progress.close()
-        if llm is not None:
+        if llm is not None and llm is not given_llm:
             llm.close()
         results.close()
         if source is not sys.stdin.buffer:

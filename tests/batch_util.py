@@ -1,0 +1,56 @@
+"""Helpers for the batch runner's tests: request lines, reading results, and running with a deadline."""
+import json
+import threading
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def request(custom_id, url=COMPLETIONS, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def write_lines(path, lines) -> str:
+    """Each line a dict (dumped) or a str/bytes (written as it is)."""
+    with open(path, "wb") as f:
+        for line in lines:
+            if isinstance(line, dict):
+                line = json.dumps(line)
+            f.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+    return str(path)
+
+
+def read_results(path) -> dict:
+    """{custom_id, or id when custom_id is null: result line}; fails on a torn or duplicated line."""
+    results = {}
+    with open(path, "rb") as f:
+        data = f.read()
+    assert not data or data.endswith(b"\n"), "torn last line"
+    for raw in data.splitlines():
+        obj = json.loads(raw)
+        key = obj["custom_id"] if obj["custom_id"] is not None else obj["id"]
+        assert key not in results, f"{key!r} was written twice"
+        results[key] = obj
+    return results
+
+
+def choices(result: dict) -> list[dict]:
+    return result["response"]["body"]["choices"]
+
+
+def with_deadline(seconds: float, fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a thread; fails the test instead of hanging it when fn blocks."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
