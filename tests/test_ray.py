@@ -1,0 +1,147 @@
+"""nanovllm.ray on a local Ray cluster (one per module, 2 CPUs): two replicas give what one engine gives,
+run_batch --data-parallel-size resumes like the one-engine runner, and a killed replica's batch is retried."""
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.run_batch import main
+from tests.batch_util import CHAT, choices, read_results, request, with_deadline, write_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_ARGS = dict(kvcache_block_size=16, max_model_len=128)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+CONVERSATION = [{"role": "user", "content": "Hello!"}]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Ray's workers are new processes: they must import this checkout, wherever nano-vllm is installed
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved]))
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        yield
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    with LLM(tiny_model, **ENGINE_ARGS) as engine:
+        yield engine
+
+
+def test_two_replicas_equal_one_engine(cluster, llm, tiny_model):
+    from nanovllm.ray import generate
+    rows = [{"id": i, "prompt": f"The sea number {i}", "messages": None, "sampling_params": None} for i in range(6)]
+    rows += [{"id": 6, "prompt": None, "messages": CONVERSATION, "sampling_params": None},
+             {"id": 7, "prompt": "Short one", "messages": None, "sampling_params": {"max_tokens": 3}},
+             {"id": 8, "prompt": "word " * 200, "messages": None, "sampling_params": None},  # too long: an error
+             {"id": 9, "prompt": None, "messages": None, "sampling_params": None}]  # nothing to serve: an error
+    dataset = ray.data.from_items(rows)
+    out = with_deadline(300, lambda: generate(dataset, tiny_model, GREEDY, concurrency=2, batch_size=3,
+                                              **ENGINE_ARGS).take_all())
+    got = {row["id"]: row for row in out}
+    assert sorted(got) == list(range(10))
+    expected = llm.generate([f"The sea number {i}" for i in range(6)], GREEDY, use_tqdm=False)
+    expected += llm.chat(CONVERSATION, GREEDY, use_tqdm=False)
+    expected += llm.generate(["Short one"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    for i, out in enumerate(expected):
+        row = got[i]
+        assert row["error"] is None
+        assert (row["generated_text"], list(row["generated_token_ids"]), row["finish_reason"]) == \
+            (out["text"], out["token_ids"], out["finish_reason"])
+    assert got[6]["num_prompt_tokens"] == len(llm.apply_chat_template(CONVERSATION))
+    assert "max_model_len=128" in got[8]["error"] and "'prompt' or a 'messages'" in got[9]["error"]
+    assert list(got[8]["generated_token_ids"]) == [] and got[8]["prompt"].startswith("word")  # input columns stay
+
+
+def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(cluster, llm, tiny_model, tmp_path):
+    lines = [request(f"r{i}", prompt=f"The moon {i}", max_tokens=6, temperature=0, ignore_eos=True) for i in range(7)]
+    lines += [request("chat", CHAT, messages=CONVERSATION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=1),
+              "not json", request("r1", prompt="duplicate"), request("long", prompt=list(range(3, 200)))]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    flags = ["--model", tiny_model, "--no-progress", "--kvcache-block-size", "16", "--max-model-len", "128"]
+    assert with_deadline(120, main, ["-i", inp, "-o", str(tmp_path / "one.jsonl"), *flags], llm=llm) == 1
+    one = read_results(tmp_path / "one.jsonl")
+    # a first data-parallel run that was killed after three lines, the last one torn
+    kept = (tmp_path / "one.jsonl").read_bytes().splitlines(keepends=True)[:4]
+    (tmp_path / "dp.jsonl").write_bytes(b"".join(kept[:3]) + kept[3][:20])
+    argv = ["-i", inp, "-o", str(tmp_path / "dp.jsonl"), *flags, "--data-parallel-size", "2", "--max-in-flight", "4"]
+    assert with_deadline(300, main, argv) == 1
+    dp = read_results(tmp_path / "dp.jsonl")
+    assert sorted(dp) == sorted(one)
+
+    def content(result):
+        if result["error"]:
+            return result["error"]["code"]
+        return [(c.get("text") or c["message"]["content"], c["finish_reason"],
+                 c["logprobs"] and [e["token"] for e in c["logprobs"]["content"]]) for c in choices(result)]
+    assert {k: content(r) for k, r in dp.items()} == {k: content(r) for k, r in one.items()}
+
+    def logprobs(result):  # equal up to float rounding: a replica's torch runs on fewer threads
+        return [e["logprob"] for e in choices(result)[0]["logprobs"]["content"]]
+    assert logprobs(dp["chat"]) == pytest.approx(logprobs(one["chat"]), abs=1e-4)
+    assert (tmp_path / "dp.jsonl").read_bytes().startswith(b"".join(kept[:3]))
+
+
+def _busy_replicas() -> list[int]:
+    """pids of replica processes running a batch now (Ray titles a process by the task it runs)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read()
+        except OSError:
+            continue
+        if title.startswith(b"ray::MapWorker(MapBatches(_GenerateReplica)).submit"):
+            pids.append(int(pid))
+    return pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds Ray's workers through /proc")
+def test_a_killed_replica_batch_is_retried(cluster, llm, tiny_model):
+    from nanovllm.ray import generate
+    prompts = [f"A long story number {i}" for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    dataset = ray.data.from_items([{"prompt": p} for p in prompts])
+    box = {}
+    runner = threading.Thread(target=lambda: box.setdefault("rows", generate(
+        dataset, tiny_model, params, concurrency=1, batch_size=2, **ENGINE_ARGS).take_all()), daemon=True)
+    runner.start()
+    killed, deadline = None, time.monotonic() + 240
+    while killed is None and runner.is_alive() and time.monotonic() < deadline:
+        busy = _busy_replicas()
+        if busy:
+            os.kill(busy[0], signal.SIGKILL)  # mid-batch: its rows are in its engine, none returned yet
+            killed = busy[0]
+        time.sleep(0.005)
+    runner.join(max(deadline - time.monotonic(), 1))
+    assert killed is not None, "no replica was seen running a batch"
+    assert not runner.is_alive(), "the dataset did not finish after its replica was killed"
+    rows = box["rows"]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    assert sorted((r["prompt"], r["generated_text"]) for r in rows) == sorted(zip(prompts, (o["text"] for o in expected)))
+
+
+def test_without_ray_the_error_says_how_to_get_it(tiny_model, tmp_path, monkeypatch, capsys):
+    import nanovllm.ray
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ImportError, match=r"pip install 'nano-vllm\[ray\]'"):
+        nanovllm.ray.generate(None, tiny_model)
+    inp = write_lines(tmp_path / "in.jsonl", [request("a", prompt="x")])
+    assert main(["-i", inp, "-o", str(tmp_path / "out"), "--model", tiny_model, "--data-parallel-size", "2"]) == 2
+    assert "pip install 'nano-vllm[ray]'" in capsys.readouterr().err
