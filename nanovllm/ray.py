@@ -157,9 +157,9 @@ def check_engine_args(model: str, engine_args: dict):
 
 
 def _map_replicas(dataset, replica_cls, constructor_args: tuple, engine_args: dict, concurrency: int,
-                  batch_size: int, max_restarts: int, max_task_retries: int):
+                  batch_size: int, max_restarts: int, max_task_retries: int, start_timeout_s: int):
     ray, _ = _import_ray()
-    for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
+    for name, value in (("concurrency", concurrency), ("batch_size", batch_size), ("start_timeout_s", start_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
     tp = engine_args.get("tensor_parallel_size", 1)
@@ -167,27 +167,37 @@ def _map_replicas(dataset, replica_cls, constructor_args: tuple, engine_args: di
     on_gpus = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     # a replica's tensor-parallel ranks are processes of its own: it reserves one GPU, or one CPU, per rank
     resources = {"num_gpus": tp, "num_cpus": 1} if on_gpus else {"num_cpus": tp}
+    kind = "GPU" if on_gpus else "CPU"
+    have = ray.cluster_resources().get(kind, 0)
+    if have < concurrency * tp:  # an autoscaling cluster may still grow: say so, and wait (start_timeout_s)
+        logging.getLogger("nanovllm").warning(
+            f"{concurrency} replica(s) need {tp} {kind}(s) each; the Ray cluster has {have:g} {kind}(s) now: "
+            f"waiting up to {start_timeout_s} s for them")
     with warnings.catch_warnings():
         # Ray 2.60 has no named parameter for these yet and warns that passing them is deprecated (hence
         # ray<2.64 in pyproject); its defaults retry without limit, and a batch that kills every replica would
         # then loop forever
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
-        return dataset.map_batches(
+        mapped = dataset.map_batches(
             replica_cls, fn_constructor_args=constructor_args, batch_size=batch_size, batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=concurrency, max_concurrent_calls_per_actor=2),
             max_restarts=max_restarts, max_task_retries=max_task_retries, **resources)
+    # every replica must be up (resources found, weights loaded) by then: a cluster that lacks the resources
+    # then fails the run instead of leaving it waiting forever (set on the dataset's context, not the global one)
+    mapped.context.wait_for_min_actors_s = start_timeout_s
+    return mapped
 
 
 def generate(dataset, model: str, sampling_params: SamplingParams | None = None, *, concurrency: int = 1,
              batch_size: int = 64, chat_template: str | None = None, max_restarts: int = 4,
-             max_task_retries: int = 4, **engine_args):
+             max_task_retries: int = 4, start_timeout_s: int = 600, **engine_args):
     """`dataset` with the generated columns added (see the module's contract); lazy, as Ray Data is."""
     _import_ray()
     check_engine_args(model, engine_args)
     if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
         raise TypeError(f"sampling_params must be SamplingParams, not {type(sampling_params).__name__}")
     return _map_replicas(dataset, _GenerateReplica, (model, engine_args, sampling_params, chat_template),
-                         engine_args, concurrency, batch_size, max_restarts, max_task_retries)
+                         engine_args, concurrency, batch_size, max_restarts, max_task_retries, start_timeout_s)
 
 
 def init(address: str | None = None):
@@ -201,7 +211,8 @@ def init(address: str | None = None):
 
 
 def serve_openai_batch(items, results, stats, progress, model: str, engine_args: dict, *, replicas: int,
-                       batch_size: int, chat_template: str | None = None, address: str | None = None):
+                       batch_size: int, chat_template: str | None = None, address: str | None = None,
+                       start_timeout_s: int = 600):
     """Serve `intake` items on `replicas` engines: error lines and skips at once, then the requests, staged in
     Ray's object store one batch per block (Ray Data does not split a block between replicas), and each
     result written as its batch comes back."""
@@ -224,7 +235,8 @@ def serve_openai_batch(items, results, stats, progress, model: str, engine_args:
     if not refs:
         return
     served = _map_replicas(ray.data.from_arrow_refs(refs), _OpenAIBatchReplica, (model, engine_args, chat_template),
-                           engine_args, replicas, batch_size, max_restarts=4, max_task_retries=4)
+                           engine_args, replicas, batch_size, max_restarts=4, max_task_retries=4,
+                           start_timeout_s=start_timeout_s)
     for batch in served.iter_batches(batch_size=None, batch_format="pyarrow"):
         for output, code, tokens in zip(*(batch[name].to_pylist() for name in ("output", "error_code",
                                                                               "completion_tokens"))):

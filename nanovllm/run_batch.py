@@ -81,6 +81,9 @@ def build_parser(config_cls=Config) -> tuple[argparse.ArgumentParser, list[str]]
                         help="engine replicas on Ray (nano-vllm[ray]); each takes tensor_parallel_size GPUs")
     parser.add_argument("--ray-address", default=None,
                         help="Ray cluster to join, e.g. 'auto' (default: RAY_ADDRESS, else a local one)")
+    parser.add_argument("--ray-start-timeout", type=int, default=600, metavar="S",
+                        help="seconds for every replica to start (resources found, weights loaded) before the run "
+                             "fails (default: 600)")
     return parser, add_engine_arguments(parser, config_cls)
 
 
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None, llm=None) -> int:
     if args.output_file != "-" and args.input_file != "-" and os.path.exists(args.output_file) \
             and os.path.samefile(args.input_file, args.output_file):
         parser.error("the output file is the input file: results are appended, so that would destroy it")
-    for name in ("max_in_flight", "data_parallel_size"):
+    for name in ("max_in_flight", "data_parallel_size", "ray_start_timeout"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.chat_template is not None and os.path.isfile(args.chat_template):
@@ -239,7 +242,8 @@ def _run(args, engine_args: dict, stdout_fd: int | None, given_llm) -> int:
         else:  # each replica takes two batches at once: max_in_flight requests in its engine
             nanovllm_ray.serve_openai_batch(items, results, stats, progress, args.model, engine_args,
                                             replicas=args.data_parallel_size, batch_size=max(max_in_flight // 2, 1),
-                                            chat_template=args.chat_template, address=args.ray_address)
+                                            chat_template=args.chat_template, address=args.ray_address,
+                                            start_timeout_s=args.ray_start_timeout)
     except KeyboardInterrupt:
         code = 130
     except Exception as e:  # an engine failure: what finished is written, a second run does the rest

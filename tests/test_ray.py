@@ -1,5 +1,6 @@
 """nanovllm.ray on a local Ray cluster (one per module, 2 CPUs): two replicas give what one engine gives,
 run_batch --data-parallel-size resumes like the one-engine runner, and a killed replica's batch is retried."""
+import json
 import logging
 import os
 import signal
@@ -69,7 +70,7 @@ def test_two_replicas_equal_one_engine(cluster, llm, tiny_model):
     assert list(got[8]["generated_token_ids"]) == [] and got[8]["prompt"].startswith("word")  # input columns stay
 
 
-def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(cluster, llm, tiny_model, tmp_path):
+def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(cluster, llm, tiny_model, tmp_path, monkeypatch):
     lines = [request(f"r{i}", prompt=f"The moon {i}", max_tokens=6, temperature=0, ignore_eos=True) for i in range(7)]
     lines += [request("chat", CHAT, messages=CONVERSATION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=1),
               "not json", request("r1", prompt="duplicate"), request("long", prompt=list(range(3, 200)))]
@@ -77,11 +78,18 @@ def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(cluster, llm, t
     flags = ["--model", tiny_model, "--no-progress", "--kvcache-block-size", "16", "--max-model-len", "128"]
     assert with_deadline(120, main, ["-i", inp, "-o", str(tmp_path / "one.jsonl"), *flags], llm=llm) == 1
     one = read_results(tmp_path / "one.jsonl")
-    # a first data-parallel run that was killed after three lines, the last one torn
-    kept = (tmp_path / "one.jsonl").read_bytes().splitlines(keepends=True)[:4]
+    # a first data-parallel run that was killed after three results, the last one torn; the bad lines are
+    # left for this run to report
+    kept = [line for line in (tmp_path / "one.jsonl").read_bytes().splitlines(keepends=True)
+            if json.loads(line)["error"] is None][:4]
     (tmp_path / "dp.jsonl").write_bytes(b"".join(kept[:3]) + kept[3][:20])
     argv = ["-i", inp, "-o", str(tmp_path / "dp.jsonl"), *flags, "--data-parallel-size", "2", "--max-in-flight", "4"]
+    blocks, from_arrow_refs = [], ray.data.from_arrow_refs
+    monkeypatch.setattr(ray.data, "from_arrow_refs", lambda refs: blocks.append(len(refs)) or from_arrow_refs(refs))
     assert with_deadline(300, main, argv) == 1
+    # 6 requests left (5 to serve, 1 too long, which only an engine measures), a block per batch of 2: Ray Data
+    # gives a whole block to one replica, so one block would leave the other replica idle
+    assert blocks == [3]
     dp = read_results(tmp_path / "dp.jsonl")
     assert sorted(dp) == sorted(one)
 
@@ -135,6 +143,14 @@ def test_a_killed_replica_batch_is_retried(cluster, llm, tiny_model):
     rows = box["rows"]
     expected = llm.generate(prompts, params, use_tqdm=False)
     assert sorted((r["prompt"], r["generated_text"]) for r in rows) == sorted(zip(prompts, (o["text"] for o in expected)))
+
+
+def test_a_cluster_without_the_resources_fails_instead_of_waiting(cluster, tiny_model, tmp_path, capsys):
+    inp = write_lines(tmp_path / "in.jsonl", [request("a", prompt="x", max_tokens=2)])
+    argv = ["-i", inp, "-o", str(tmp_path / "out"), "--model", tiny_model, "--no-progress", "--device", "cuda",
+            "--data-parallel-size", "2", "--ray-start-timeout", "3"]
+    assert with_deadline(120, main, argv) == 3  # this cluster has no GPU
+    assert "Timed out while starting actors" in capsys.readouterr().err
 
 
 def test_without_ray_the_error_says_how_to_get_it(tiny_model, tmp_path, monkeypatch, capsys):

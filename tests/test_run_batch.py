@@ -247,6 +247,25 @@ def test_an_engine_failure_stops_the_run_and_a_rerun_finishes_it(llm, tiny_model
     assert llm.is_finished()
 
 
+def test_an_aborted_request_is_not_a_result(llm, tiny_model, tmp_path, monkeypatch, capsys):
+    lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=200, ignore_eos=True) for i in range(3)]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    submit = llm.submit
+
+    def submit_then_abort(prompt, params):  # as when someone else ends the request (or closes the engine)
+        handle = submit(prompt, params)
+        if prompt == llm.encode("prompt 1"):
+            handle.abort()
+        return handle
+
+    monkeypatch.setattr(llm, "submit", submit_then_abort)
+    assert run(llm, tiny_model, inp, out) == 3
+    assert sorted(read_results(out)) == ["r0", "r2"]
+    assert "1 stopped before they finished" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert run(llm, tiny_model, inp, out) == 0 and sorted(read_results(out)) == ["r0", "r1", "r2"]
+
+
 @dataclasses.dataclass
 class FutureConfig:  # Config with engine arguments that do not exist yet
     model: str
