@@ -15,6 +15,7 @@ Engine arguments are Config's fields as --kebab-case flags, so a new engine argu
 `--data-parallel-size N` serves the file on N engine replicas through Ray (`nanovllm.ray`).
 """
 import argparse
+import json
 import os
 import queue
 import sys
@@ -55,8 +56,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, config_cls=Config) -> 
         elif kind in (int, float, str):
             group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
                                help=f"(default: {default!r})")
-        else:
-            raise TypeError(f"engine argument {f.name} has type {kind}, which run_batch cannot take as a flag")
+        elif typing.get_origin(kind) is typing.Literal:
+            choices = typing.get_args(kind)
+            group.add_argument(flag, type=type(choices[0]), choices=choices, default=argparse.SUPPRESS,
+                               help=f"(default: {default!r})")
+        else:  # a list, a dict, ...: written as JSON, and checked by Config like any other value
+            group.add_argument(flag, type=json.loads, default=argparse.SUPPRESS, metavar="JSON",
+                               help=f"(default: {default!r})")
         names.append(f.name)
     return names
 

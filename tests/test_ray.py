@@ -59,7 +59,8 @@ def test_two_replicas_equal_one_engine(cluster, llm, tiny_model):
     assert sorted(got) == list(range(10))
     expected = llm.generate([f"The sea number {i}" for i in range(6)], GREEDY, use_tqdm=False)
     expected += llm.chat(CONVERSATION, GREEDY, use_tqdm=False)
-    expected += llm.generate(["Short one"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    expected += llm.generate(["Short one"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                             use_tqdm=False)
     for i, out in enumerate(expected):
         row = got[i]
         assert row["error"] is None
@@ -142,7 +143,8 @@ def test_a_killed_replica_batch_is_retried(cluster, llm, tiny_model):
     assert not runner.is_alive(), "the dataset did not finish after its replica was killed"
     rows = box["rows"]
     expected = llm.generate(prompts, params, use_tqdm=False)
-    assert sorted((r["prompt"], r["generated_text"]) for r in rows) == sorted(zip(prompts, (o["text"] for o in expected)))
+    assert sorted((r["prompt"], r["generated_text"]) for r in rows) == \
+        sorted(zip(prompts, (o["text"] for o in expected)))
 
 
 def test_a_cluster_without_the_resources_fails_instead_of_waiting(cluster, tiny_model, tmp_path, capsys):

@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+import typing
 
 import pytest
 
@@ -84,7 +85,8 @@ def test_results_equal_generate_and_chat(llm, tiny_model, tmp_path):
         assert body["usage"]["completion_tokens"] == sum(len(o["token_ids"]) for o in outputs)
         assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
     assert choices(results["stop"])[0]["stop_reason"] == stop and stop not in choices(results["stop"])[0]["text"]
-    assert len(expected["unbounded"][0]["token_ids"]) == 8 and choices(results["unbounded"])[0]["finish_reason"] == "length"
+    assert len(expected["unbounded"][0]["token_ids"]) == 8
+    assert choices(results["unbounded"])[0]["finish_reason"] == "length"
     assert choices(results["seeded"])[0]["message"] != choices(results["seeded"])[1]["message"]
     assert results["chat"]["response"]["body"]["usage"]["prompt_tokens"] == len(chat_ids)
     # logprobs in OpenAI's shapes, with the engine's values
@@ -273,19 +275,23 @@ class FutureConfig:  # Config with engine arguments that do not exist yet
     new_knob: float = 0.5
     use_thing: bool = False
     maybe_count: int | None = None
+    mode: typing.Literal["fast", "safe"] = "fast"
+    overrides: dict = dataclasses.field(default_factory=dict)
     hf_config: object = None
 
 
 def test_engine_flags_follow_config_fields(capsys):
     parser, names = build_parser(FutureConfig)
-    assert names == ["max_num_seqs", "new_knob", "use_thing", "maybe_count"]
+    assert names == ["max_num_seqs", "new_knob", "use_thing", "maybe_count", "mode", "overrides"]
     args = parser.parse_args(["-i", "a", "-o", "b", "--model", "m", "--new-knob", "0.25", "--use-thing",
-                              "--maybe-count", "3"])
+                              "--maybe-count", "3", "--mode", "safe", "--overrides", '{"rope_theta": 1e4}'])
     assert (args.new_knob, args.use_thing, args.maybe_count) == (0.25, True, 3)
+    assert (args.mode, args.overrides) == ("safe", {"rope_theta": 1e4})
     assert not hasattr(args, "max_num_seqs")  # not given: the engine's default applies
     for bad, message in ((["--new-knob", "x"], "invalid float value: 'x'"),
                          (["--max-num-seq", "4"], "unrecognized arguments: --max-num-seq"),
-                         (["--bogus"], "unrecognized arguments: --bogus")):
+                         (["--bogus"], "unrecognized arguments: --bogus"),
+                         (["--mode", "slow"], "invalid choice: 'slow'")):
         with pytest.raises(SystemExit) as exit_info:
             parser.parse_args(["-i", "a", "-o", "b", "--model", "m", *bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

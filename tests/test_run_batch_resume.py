@@ -72,7 +72,8 @@ def test_killed_part_way_then_run_again(llm, tiny_model, tmp_path, sig, status):
 
 def test_stdin_to_stdout(tiny_model):
     lines = [json.dumps(request("a", prompt="Hello", max_tokens=3)), "{not json",
-             json.dumps(request("b", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=3))]
+             json.dumps(request("b", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}],
+                                max_tokens=3))]
     proc = run_batch_process(["-i", "-", "-o", "-", "--model", tiny_model, *ENGINE_FLAGS], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate("\n".join(lines) + "\n", timeout=120)
