@@ -10,7 +10,8 @@ Contract:
   again skips what the output already holds (its torn last line, if any, is cut off and redone);
 - the input is streamed: at most --max-in-flight requests are in the engine, and as many wait parsed;
 - exit status: 0 when every line succeeded, 1 when some line failed, 2 for a bad command line, 3 when the run
-  stopped before every line was written (an engine failure; run it again to finish), 130 on Ctrl-C.
+  stopped before every line was written (an engine failure; run it again to finish), 130 on Ctrl-C, 143 on
+  SIGTERM (both stop cleanly: requests in flight are dropped, to be served by the next run).
 Engine arguments are Config's fields as --kebab-case flags, so a new engine argument is a flag at once.
 `--data-parallel-size N` serves the file on N engine replicas through Ray (`nanovllm.ray`).
 """
@@ -18,7 +19,9 @@ import argparse
 import json
 import os
 import queue
+import signal
 import sys
+import threading
 import time
 import typing
 from dataclasses import MISSING, fields
@@ -72,7 +75,7 @@ def build_parser(config_cls=Config) -> tuple[argparse.ArgumentParser, list[str]]
         prog="python -m nanovllm.run_batch", allow_abbrev=False,  # a misspelt flag must not match another
         description="Serve a file of OpenAI Batch requests (one JSON object per line) with nano-vllm.",
         epilog="Exit status: 0 every line succeeded, 1 some line failed (see its error), 2 bad command line, "
-               "3 stopped early (run the same command again to finish), 130 interrupted.")
+               "3 stopped early (run the same command again to finish), 130 Ctrl-C, 143 SIGTERM.")
     parser.add_argument("-i", "--input-file", required=True, help="requests, JSON lines; '-' reads stdin")
     parser.add_argument("-o", "--output-file", required=True,
                         help="results, JSON lines, appended; a second run resumes it. '-' writes stdout "
@@ -98,9 +101,12 @@ class Progress:
         # a redirected stderr (a log file) gets a line every 30 s, not a flood
         self.bar = tqdm(total=total, desc="run_batch", unit="line", file=sys.stderr, dynamic_ncols=True,
                         disable=disable, mininterval=0.5 if sys.stderr.isatty() else 30)
-        self.start = perf_counter()
+        self.start = self.last = perf_counter()
 
-    def update(self, stats: Stats):
+    def update(self, stats: Stats, force: bool = False):
+        if not force and perf_counter() - self.last < 0.1:  # called per line when resuming or staging
+            return
+        self.last = perf_counter()
         self.bar.set_postfix({"failed": stats.failed + stats.skipped_failed,
                               "tok/s": int(stats.completion_tokens / max(perf_counter() - self.start, 1e-9))},
                              refresh=False)
@@ -186,6 +192,14 @@ def summary(stats: Stats, seconds: float, output: str) -> str:
             f"({stats.completion_tokens / max(seconds, 1e-9):.0f} tok/s); results in {output}")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so that the run stops as cleanly as on Ctrl-C."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None, llm=None) -> int:
     """The command line; returns the exit status. `llm`: serve on this engine (its own arguments apply, and it
     stays open) instead of building one, for programs and tests that hold an engine already."""
@@ -207,9 +221,14 @@ def main(argv: list[str] | None = None, llm=None) -> int:
     if args.output_file == "-":  # results own stdout; whatever else prints (a library, Ray) goes to stderr
         stdout_fd = os.dup(1)
         os.dup2(2, 1)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return _run(args, engine_args, stdout_fd, llm)
     finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
         if stdout_fd is not None:
             os.dup2(stdout_fd, 1)
             os.close(stdout_fd)
@@ -238,6 +257,9 @@ def _run(args, engine_args: dict, stdout_fd: int | None, given_llm) -> int:
         results.close()
         print(f"run_batch: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        results.close()
+        return 143 if isinstance(e, Terminated) else 130
     source = sys.stdin.buffer if args.input_file == "-" else open(args.input_file, "rb")
     progress = Progress(count_lines(args.input_file), disable=args.no_progress)
     stats, start, code = Stats(), perf_counter(), 0
@@ -250,13 +272,13 @@ def _run(args, engine_args: dict, stdout_fd: int | None, given_llm) -> int:
                                             replicas=args.data_parallel_size, batch_size=max(max_in_flight // 2, 1),
                                             chat_template=args.chat_template, address=args.ray_address,
                                             start_timeout_s=args.ray_start_timeout)
-    except KeyboardInterrupt:
-        code = 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (a scheduler's preemption): requests in flight are
+        code = 143 if isinstance(e, Terminated) else 130  # aborted, and the engine closes cleanly
     except Exception as e:  # an engine failure: what finished is written, a second run does the rest
         print(f"\nrun_batch: the run stopped: {type(e).__name__}: {e}", file=sys.stderr)
         code = 3
     finally:
-        progress.update(stats)
+        progress.update(stats, force=True)
         progress.close()
         if llm is not None and llm is not given_llm:
             llm.close()
