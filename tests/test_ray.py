@@ -27,7 +27,7 @@ def cluster():
     # Ray's workers are new processes: they must import this checkout, wherever nano-vllm is installed
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved]))
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, logging_level=logging.WARNING)  # the same anywhere
     try:
         ray.data.DataContext.get_current().enable_progress_bars = False
         yield
@@ -151,7 +151,7 @@ def test_a_cluster_without_the_resources_fails_instead_of_waiting(cluster, tiny_
     inp = write_lines(tmp_path / "in.jsonl", [request("a", prompt="x", max_tokens=2)])
     argv = ["-i", inp, "-o", str(tmp_path / "out"), "--model", tiny_model, "--no-progress", "--device", "cuda",
             "--data-parallel-size", "2", "--ray-start-timeout", "3"]
-    assert with_deadline(120, main, argv) == 3  # this cluster has no GPU
+    assert with_deadline(120, main, argv) == 3  # this cluster has no GPU (num_gpus=0)
     assert "Timed out while starting actors" in capsys.readouterr().err
 
 

@@ -164,6 +164,7 @@ def test_each_bad_line_gets_an_error_line_and_the_job_goes_on(llm, tiny_model, t
 
 def test_exit_status_and_a_finished_file_is_left_alone(llm, tiny_model, tmp_path):
     ok = write_lines(tmp_path / "ok.jsonl", [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(3)])
+    (tmp_path / "ok.jsonl").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "ok.jsonl").read_bytes())  # an editor's BOM
     assert run(llm, tiny_model, ok, tmp_path / "ok.out") == 0
     before = (tmp_path / "ok.out").read_bytes()
     assert run(llm, tiny_model, ok, tmp_path / "ok.out") == 0  # nothing left to do
@@ -198,11 +199,19 @@ def test_results_are_written_while_input_still_streams(llm, tiny_model, tmp_path
     status = {}
     thread = threading.Thread(target=lambda: status.setdefault("code", run(llm, tiny_model, fifo, out)), daemon=True)
     thread.start()
-    with open(fifo, "w") as writer:
+    deadline = time.monotonic() + 60
+    while True:  # opening a FIFO blocks until the other end opens it: wait for the runner without hanging
+        try:
+            writer = os.fdopen(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK), "w")
+            break
+        except OSError:  # ENXIO: no reader yet
+            assert time.monotonic() < deadline and thread.is_alive(), f"the runner did not open its input: {status}"
+            time.sleep(0.02)
+    os.set_blocking(writer.fileno(), True)
+    with writer:
         for i in range(2):
             writer.write(json.dumps(request(f"early-{i}", prompt=f"p {i}", max_tokens=3)) + "\n")
         writer.flush()
-        deadline = time.monotonic() + 60
         while not (out.exists() and out.read_text().count("\n") == 2):  # written with no EOF in sight yet
             assert time.monotonic() < deadline, "finished results were not written while the input was open"
             time.sleep(0.05)

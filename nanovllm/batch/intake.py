@@ -43,8 +43,8 @@ def intake(lines: Iterable[bytes], done: dict[tuple, bool]) -> Iterator[tuple]:
         if not raw.strip():
             continue
         try:
-            try:
-                text = raw.decode()
+            try:  # a byte-order mark, as some editors write, is no part of the first request
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise LineError("invalid_json", f"line {number} is not UTF-8 text: {e}") from None
             obj, custom_id = read_line(text, number)
