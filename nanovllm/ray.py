@@ -70,15 +70,15 @@ class _GenerateReplica(_Replica):
     def __call__(self, table):
         _, pa = _import_ray()
         handles, errors, prompt_lens = [], [], []
-        for index, row in enumerate(table.to_pylist()):
+        for row in table.to_pylist():
             try:
                 token_ids = self._token_ids(row)
                 handles.append(self.llm.submit(token_ids, self._params(row)))
                 errors.append(None)
                 prompt_lens.append(len(token_ids))
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError) as e:  # the row's own columns, kept in the output, say which it was
                 handles.append(None)
-                errors.append(f"row {index} of its batch: {e}")
+                errors.append(str(e))
                 prompt_lens.append(0)
         outputs = self._collect(handles)
         columns = {
@@ -97,7 +97,14 @@ class _GenerateReplica(_Replica):
         if (prompt is None) == (messages is None):
             raise ValueError("a row needs a 'prompt' or a 'messages' value (one of them)")
         if messages is not None:
-            prompt = self.llm.apply_chat_template(messages, self.chat_template)
+            # an Arrow struct has every key any message has; None marks the ones this message lacks
+            messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+            try:
+                prompt = self.llm.apply_chat_template(messages, self.chat_template)
+            except TypeError:
+                raise
+            except Exception as e:  # a template may raise anything for a conversation it rejects
+                raise ValueError(f"the chat template failed: {e}") from None
         return self.llm.encode(prompt)
 
     def _params(self, row: dict) -> SamplingParams:
