@@ -1,4 +1,6 @@
+import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ if not torch.cuda.is_available():
 
 from nanovllm.utils.random_checkpoint import make_random_checkpoint  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -18,6 +22,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of 2 CPUs for one test module."""
+    import ray
+    # Ray's workers are new processes: they must import this checkout, wherever nano-vllm is installed
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved]))
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, logging_level=logging.WARNING)  # the same anywhere
+    try:
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        yield
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 @pytest.fixture(scope="session")

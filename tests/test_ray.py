@@ -1,13 +1,11 @@
-"""nanovllm.ray on a local Ray cluster (one per module, 2 CPUs): two replicas give what one engine gives,
+"""nanovllm.ray on a local Ray cluster (conftest.ray_cluster: 2 CPUs): two replicas give what one engine gives,
 run_batch --data-parallel-size resumes like the one-engine runner, and a killed replica's batch is retried."""
 import json
-import logging
 import os
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -16,27 +14,9 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.run_batch import main
 from tests.batch_util import CHAT, choices, read_results, request, with_deadline, write_lines
 
-ROOT = Path(__file__).resolve().parents[1]
 ENGINE_ARGS = dict(kvcache_block_size=16, max_model_len=128)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 CONVERSATION = [{"role": "user", "content": "Hello!"}]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    # Ray's workers are new processes: they must import this checkout, wherever nano-vllm is installed
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved]))
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, logging_level=logging.WARNING)  # the same anywhere
-    try:
-        ray.data.DataContext.get_current().enable_progress_bars = False
-        yield
-    finally:
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +25,7 @@ def llm(tiny_model):
         yield engine
 
 
-def test_two_replicas_equal_one_engine(cluster, llm, tiny_model):
+def test_two_replicas_equal_one_engine(ray_cluster, llm, tiny_model):
     from nanovllm.ray import generate
     rows = [{"id": i, "prompt": f"The sea number {i}", "messages": None, "sampling_params": None} for i in range(6)]
     rows += [{"id": 6, "prompt": None, "messages": CONVERSATION, "sampling_params": None},
@@ -71,7 +51,7 @@ def test_two_replicas_equal_one_engine(cluster, llm, tiny_model):
     assert list(got[8]["generated_token_ids"]) == [] and got[8]["prompt"].startswith("word")  # input columns stay
 
 
-def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(cluster, llm, tiny_model, tmp_path, monkeypatch):
+def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(ray_cluster, llm, tiny_model, tmp_path, monkeypatch):
     lines = [request(f"r{i}", prompt=f"The moon {i}", max_tokens=6, temperature=0, ignore_eos=True) for i in range(7)]
     lines += [request("chat", CHAT, messages=CONVERSATION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=1),
               "not json", request("r1", prompt="duplicate"), request("long", prompt=list(range(3, 200)))]
@@ -122,7 +102,7 @@ def _busy_replicas() -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds Ray's workers through /proc")
-def test_a_killed_replica_batch_is_retried(cluster, llm, tiny_model):
+def test_a_killed_replica_batch_is_retried(ray_cluster, llm, tiny_model):
     from nanovllm.ray import generate
     prompts = [f"A long story number {i}" for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
@@ -147,7 +127,7 @@ def test_a_killed_replica_batch_is_retried(cluster, llm, tiny_model):
         sorted(zip(prompts, (o["text"] for o in expected)))
 
 
-def test_a_cluster_without_the_resources_fails_instead_of_waiting(cluster, tiny_model, tmp_path, capsys):
+def test_a_cluster_without_the_resources_fails_instead_of_waiting(ray_cluster, tiny_model, tmp_path, capsys):
     inp = write_lines(tmp_path / "in.jsonl", [request("a", prompt="x", max_tokens=2)])
     argv = ["-i", inp, "-o", str(tmp_path / "out"), "--model", tiny_model, "--no-progress", "--device", "cuda",
             "--data-parallel-size", "2", "--ray-start-timeout", "3"]

@@ -5,7 +5,7 @@ from pathlib import Path
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def test_readme_examples_run():
+def test_readme_examples_run(ray_cluster):  # one example runs on Ray
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     assert len(blocks) >= 5
     namespace = {}
