@@ -240,15 +240,15 @@ def test_at_most_max_in_flight_requests_are_in_the_engine(llm, tiny_model, tmp_p
 def test_an_engine_failure_stops_the_run_and_a_rerun_finishes_it(llm, tiny_model, tmp_path, monkeypatch):
     lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=6, ignore_eos=True) for i in range(12)]
     inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    steps, step = [0], llm.step
+    steps, run_step = [0], llm.model_runner.run
 
-    def failing_step():
+    def failing_run(seqs):
         steps[0] += 1
         if steps[0] == 20:
             raise RuntimeError("injected engine failure")
-        return step()
+        return run_step(seqs)
 
-    monkeypatch.setattr(llm, "step", failing_step)
+    monkeypatch.setattr(llm.model_runner, "run", failing_run)
     assert run(llm, tiny_model, inp, out, "--max-in-flight", "4") == 3
     written = read_results(out)
     assert 0 < len(written) < 12 and all(r["error"] is None for r in written.values())
