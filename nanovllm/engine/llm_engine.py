@@ -339,14 +339,17 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
 
 def shutdown(loop: EngineLoop, model_runner: ModelRunner, processes: list):
     steps_stopped = loop.stop(CLOSE_TIMEOUT)  # every request in flight finishes now, as aborted
-    workers_alive = steps_stopped and all(process.is_alive() for process in processes)
     try:
-        if workers_alive:
-            model_runner.call("exit")
-        else:  # a step still runs, or a worker is gone: no collective can complete; tear down this rank alone
-            for process in processes:
-                process.kill()  # which also ends a collective that a stuck step waits in
-            model_runner.exit(workers_alive=False)
+        if steps_stopped and all(process.is_alive() for process in processes):
+            try:
+                model_runner.call("exit")
+                return
+            except Exception:  # a worker died after all (its socket closes before it is reaped): tear down alone
+                pass
+        # a step still runs, or a worker is gone: no collective can complete; tear down this rank alone
+        for process in processes:
+            process.kill()  # which also ends a collective that a stuck step waits in
+        model_runner.exit(workers_alive=False)
     finally:
         stop_workers(processes)
 
