@@ -145,7 +145,8 @@ def test_fp8_on_cuda_close_to_hf_and_twice_the_tokens(qwen3_small):
             results[kv_cache_dtype] = agreement(hf, batch, llm.generate(batch, params, use_tqdm=False), "cuda")
     print(f"\nbf16 model, 4 layers, {len(batch) * 24} tokens: (share that is HF's argmax, worst gap, largest "
           f"logprob error): bf16 KV {results['auto']}, FP8 KV {results['fp8']}; blocks {blocks}")
-    assert 1.9 < blocks["fp8"] / blocks["auto"] <= 2.0
+    # the cache is sized in bytes, after the peak of a warm-up that differs a little between the two
+    assert 1.9 < blocks["fp8"] / blocks["auto"] < 2.1
     assert results["fp8"][0] >= 0.75 and results["fp8"][1] < 0.5
 
 
