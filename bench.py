@@ -38,6 +38,8 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--prefill-first", action="store_true", help="nano-vllm's steps instead of mixed ones")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="complete each step before scheduling the next (no overlap of host and device)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--engine", choices=["nanovllm", "hf"], default="nanovllm")
     parser.add_argument("--hf-output-len", type=int, default=512, help="fixed output length for --engine hf")
@@ -63,7 +65,7 @@ def main():
     else:
         llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
                   tensor_parallel_size=args.tp, prefill_first=args.prefill_first, load_format=load_format,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, async_scheduling=not args.no_async_scheduling)
         where = f"{llm.config.device}, {llm.config.dtype}, KV {llm.config.kv_cache_dtype}, TP={args.tp}"
         print(f"nano-vllm on {model} ({where}): {len(prompt_token_ids)} prompts, {sum(output_lens)} tokens to "
               "generate", flush=True)
@@ -74,6 +76,7 @@ def main():
         elapsed = time.perf_counter() - t
         total_tokens = sum(len(o["token_ids"]) for o in outputs)
     flags = "".join(f" ({f})" for f, on in (("eager", args.enforce_eager), ("prefill-first", args.prefill_first),
+                                            ("no overlap", args.no_async_scheduling),
                                             ("dummy weights", load_format == "dummy")) if on)
     print(f"Engine: {args.engine}{flags} on {model} ({where}), Total: {total_tokens}tok, "
           f"Time: {elapsed:.2f}s, Throughput: {total_tokens / elapsed:.2f}tok/s")

@@ -12,6 +12,7 @@ import torch
 
 from nanovllm import SamplingParams
 from nanovllm.engine.sampling_batch import build_sampling_batch
+from nanovllm.engine.step_output import StepOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Sampler
 
@@ -56,7 +57,7 @@ def main():
             t0 = time.perf_counter()
             batch = build_sampling_batch(seqs, frozenset([2]), args.vocab, to_device)
             t1 = time.perf_counter()
-            sampler.sample(logits, batch, generator)  # returns host lists: the step's one sync
+            StepOutput(*sampler.sample(logits, batch, generator), batch.num_logprobs).result()  # the one sync
             t2 = time.perf_counter()
             if i >= 2:  # the first two warm up
                 build, sample = build + t1 - t0, sample + t2 - t1

@@ -24,6 +24,7 @@ class Config:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     prefill_first: bool = False  # True: nano-vllm's steps (all prefill or all decode); False: mixed steps
+    async_scheduling: bool = True  # overlap: schedule and launch step N+1 while the device runs step N
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: size from memory; a positive value caps the cache
     device: str = "auto"  # "auto" | "cuda" | "cpu"
@@ -53,7 +54,7 @@ class Config:
             raise ValueError(f"kvcache_block_size={self.kvcache_block_size} must be a positive multiple of 16")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
-        for name in ("enforce_eager", "prefill_first"):
+        for name in ("enforce_eager", "prefill_first", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.device not in ("auto", "cuda", "cpu"):

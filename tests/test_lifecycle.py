@@ -8,8 +8,10 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.step_output import StepOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)  # runs for over 10 s on the tiny model
@@ -58,7 +60,8 @@ def assert_idle_and_clean(llm: LLM, seconds: float = 30):
 def script_tokens(monkeypatch, llm: LLM, script: list[int]):
     """The model "samples" script[i] as the i-th completion token of every sequence."""
     def run(seqs):
-        return [script[seq.num_completion_tokens] for seq in seqs if seq.samples_this_step], None
+        return StepOutput(torch.tensor([script[seq.num_completion_tokens] for seq in seqs if seq.samples_this_step],
+                                       dtype=torch.int64))
     monkeypatch.setattr(llm.model_runner, "run", run)
 
 

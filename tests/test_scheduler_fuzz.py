@@ -1,6 +1,7 @@
 """The scheduler and the block manager under thousands of random operations, with every invariant checked
 after each: block accounting, reference counts, the prefix cache, queue membership, and each request
-finishing exactly once within its limits."""
+finishing exactly once within its limits. Steps complete at once or, as with overlap scheduling, one step
+later: the next step is scheduled while a step's tokens are pending."""
 from collections import Counter
 from types import SimpleNamespace
 
@@ -10,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import compute_hash
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
 
 EOS, STOP = 1, 2
 # prompts are made of a few 4-token pieces, so they share prefixes and the prefix cache gets hits
@@ -22,14 +23,16 @@ PROMPTS = st.builds(lambda pieces, tail: sum(pieces, []) + tail,
 class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(block_size=st.sampled_from([4, 8]), num_blocks=st.integers(4, 16),
-                budget=st.integers(4, 64), max_num_seqs=st.integers(2, 8), prefill_first=st.booleans())
-    def build(self, block_size, num_blocks, budget, max_num_seqs, prefill_first):
+                budget=st.integers(4, 64), max_num_seqs=st.integers(2, 8), prefill_first=st.booleans(),
+                overlap=st.booleans())
+    def build(self, block_size, num_blocks, budget, max_num_seqs, prefill_first, overlap):
         config = SimpleNamespace(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, prefill_first=prefill_first,
             max_model_len=num_blocks * block_size, eos_token_ids=(EOS,), num_kvcache_blocks=num_blocks,
             kvcache_block_size=block_size)
         self.scheduler = Scheduler(config)
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_size, self.num_blocks, self.overlap = block_size, num_blocks, overlap
+        self.in_flight = None  # a launched step whose tokens are pending: (sampled, filled, tokens)
         self.live: list[Sequence] = []  # added, not yet finished
         self.finished = Counter()
 
@@ -47,17 +50,30 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def step(self, data):
         seqs = self.scheduler.schedule()
-        assert seqs or not self.scheduler.running, "running sequences but nothing scheduled"
+        assert seqs or not self.scheduler.running or self.in_flight, "running sequences but nothing scheduled"
         assert sum(seq.num_scheduled_tokens for seq in seqs) <= self.scheduler.max_num_batched_tokens
         for seq in seqs:
             assert 0 < seq.num_scheduled_tokens <= seq.num_tokens - seq.num_computed_tokens
             assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens + seq.num_scheduled_tokens
-        num_samples = sum(seq.samples_this_step for seq in seqs)
-        tokens = data.draw(st.lists(st.integers(0, 63), min_size=num_samples, max_size=num_samples))
+            assert not seq.is_pending or seq.num_scheduled_tokens == 1  # a pending token is only decoded
         sampled = [seq for seq in seqs if seq.samples_this_step]
-        done = self.scheduler.postprocess(seqs, tokens)
+        tokens = data.draw(st.lists(st.integers(0, 63), min_size=len(sampled), max_size=len(sampled)))
+        launched = (sampled, self.scheduler.launched(seqs), tokens) if seqs else None
+        if self.in_flight:
+            self._complete(data, *self.in_flight)
+        self.in_flight = launched
+        if launched:
+            for row, seq in enumerate(sampled):
+                if not seq.is_finished:
+                    seq.append_pending(row)
+            if not self.overlap:
+                self._complete(data, *launched)
+                self.in_flight = None
+
+    def _complete(self, data, sampled, filled, tokens):
+        took, done = self.scheduler.complete(sampled, filled, tokens)
         # the engine ends a request whose text completed a stop string (not before min_tokens)
-        for seq in sampled:
+        for seq in took:
             if (not seq.is_finished and seq.num_completion_tokens >= seq.params.min_tokens
                     and data.draw(st.integers(0, 19)) == 0):
                 seq.stop_reason = "a stop string"
@@ -122,7 +138,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if block.hash == -1:
                     break
                 assert (i + 1) * self.block_size <= seq.num_computed_tokens, "hashed before it was computed"
-                assert block.token_ids == seq.block(i, self.block_size)
+                assert block.token_ids == seq.block(i, self.block_size) and PENDING not in block.token_ids
                 assert block.hash == compute_hash(block.token_ids, prefix)
                 prefix = block.hash
 

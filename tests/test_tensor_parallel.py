@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import nanovllm.engine.model_runner as model_runner
+import nanovllm.engine.tp_channel as tp_channel
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 from tests.conftest import assert_greedy_matches_hf
@@ -75,10 +75,10 @@ def test_heads_that_do_not_divide_are_refused(tiny_model):
 
 
 def test_message_buffer_grows(tiny_model, monkeypatch):
-    monkeypatch.setattr(model_runner, "SHM_SIZE", 256)
+    monkeypatch.setattr(tp_channel, "SHM_SIZE", 256)
     with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2) as llm:
         out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert llm.model_runner.shm.size > 256
+        assert llm.model_runner.channel.shm.size > 256
         assert len(our_shm_segments()) == 1  # the outgrown buffers are gone
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == \

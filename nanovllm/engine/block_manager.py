@@ -100,9 +100,11 @@ class BlockManager:
         while len(seq.block_table) < needed:
             seq.block_table.append(self._take_free_block())
 
-    def hash_computed_blocks(self, seq: Sequence, num_computed_before: int):
-        """Register the blocks that this step filled with computed KV in the prefix cache."""
-        for i in range(num_computed_before // self.block_size, seq.num_computed_tokens // self.block_size):
+    def hash_computed_blocks(self, seq: Sequence, num_computed_before: int, num_computed_after: int | None = None):
+        """Register the blocks that a step filled with computed KV (from num_computed_before tokens to
+        num_computed_after, by default all that are computed) in the prefix cache."""
+        end = seq.num_computed_tokens if num_computed_after is None else num_computed_after
+        for i in range(num_computed_before // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash != -1:
                 continue

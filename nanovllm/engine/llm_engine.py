@@ -8,6 +8,7 @@ import sys
 import threading
 import uuid
 import weakref
+from dataclasses import dataclass
 from time import perf_counter
 
 import numpy as np
@@ -21,7 +22,8 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.request import EngineLoop, RequestHandle
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_output import StepOutput
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -55,6 +57,8 @@ class LLMEngine:
             stop_workers(self.processes)
             raise
         self.scheduler = Scheduler(config)
+        self._in_flight: Step | None = None  # launched, its tokens not yet accounted for
+        self._last_completed = 0.0
         self._throughput: dict[str, str] = {}
         self._loop = EngineLoop(self)
         # runs once: on close(), when the engine is garbage-collected, or at interpreter exit; it holds the
@@ -114,7 +118,7 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         """True when no request is queued or running."""
-        return not self._loop.inbox and self.scheduler.is_finished()
+        return not self._loop.inbox and self.scheduler.is_finished() and self._in_flight is None
 
     def stats(self) -> dict:
         bm = self.scheduler.block_manager
@@ -164,12 +168,13 @@ class LLMEngine:
             if kind == "add":
                 self._loop.handles[handle.request_id] = handle
                 self.scheduler.add(handle.seq)
-            elif self._loop.handles.pop(handle.request_id, None) is not None:
+            elif handle.request_id in self._loop.handles:
                 seq = handle.seq
                 self.scheduler.abort(seq)
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                seq.finish_reason = "abort"
                 handle._on_finish([])
-        return not self.scheduler.is_finished()
+                del self._loop.handles[handle.request_id]  # only now: if finishing raised, the loop fails it
+        return not self.scheduler.is_finished() or self._in_flight is not None
 
     def _run_once(self) -> bool:
         """The loop thread's work: take new requests and aborts, then one step; False when idle."""
@@ -196,8 +201,9 @@ class LLMEngine:
         """One step (under `step_lock`); returns the sequences it finished and how many prefill and decode
         tokens it computed. When it raises, every request in flight fails with the error, which propagates."""
         try:
-            return self._schedule_run_postprocess()
+            return self._pipelined_step()
         except BaseException as error:  # fail every request in flight and leave the scheduler empty
+            self._in_flight = None
             for seq in [*self.scheduler.waiting, *self.scheduler.running]:
                 self.scheduler.abort(seq)
             for handle in self._loop.handles.values():
@@ -205,24 +211,47 @@ class LLMEngine:
             self._loop.handles.clear()
             raise
 
-    def _schedule_run_postprocess(self) -> tuple[list[Sequence], int, int]:
+    def _pipelined_step(self) -> tuple[list[Sequence], int, int]:
+        """Schedule and launch step N, then complete step N-1 while the device runs N (overlap scheduling:
+        the host's work hides behind the device's). Without async_scheduling, step N completes at once."""
         self.check_workers()
+        finished = []
         seqs = self.scheduler.schedule()
-        if not seqs:
-            return [], 0, 0
+        if self._in_flight is not None and any(needs_token_values(seq) for seq in seqs):
+            finished += self._complete(self._in_flight)  # penalties count the tokens in flight: wait for them
+            self._in_flight = None
+            seqs = [seq for seq in seqs if not seq.is_finished]
         num_decode = sum(seq.num_scheduled_tokens == 1 for seq in seqs)
         num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
+        step = self._launch(seqs, num_prefill, num_decode) if seqs else None
+        if self._in_flight is not None:
+            finished += self._complete(self._in_flight)
+        self._in_flight = step
+        if step is not None:
+            for row, seq in enumerate(step.sampled):
+                if not seq.is_finished:  # one that ended meanwhile drops this step's token
+                    seq.append_pending(row)
+            if not self.config.async_scheduling:
+                finished += self._complete(step)
+                self._in_flight = None
+        return finished, num_prefill, num_decode
+
+    def _launch(self, seqs: list[Sequence], num_prefill: int, num_decode: int) -> "Step":
         sampled = [seq for seq in seqs if seq.samples_this_step]
-        t = perf_counter()
-        token_ids, logprobs = self.model_runner.call("run", seqs)
-        finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
-        elapsed = perf_counter() - t
-        if num_prefill:
-            self._throughput["Prefill"] = f"{int(num_prefill / elapsed)}tok/s"
-        elif num_decode:
-            self._throughput["Decode"] = f"{int(num_decode / elapsed)}tok/s"
+        output = self.model_runner.call("run", seqs)
+        return Step(sampled, self.scheduler.launched(seqs), output, num_prefill, num_decode, perf_counter())
+
+    def _complete(self, step: "Step") -> list[Sequence]:
+        """Wait for a launched step's tokens, account for them, and tell the handles."""
+        token_ids, logprobs = step.output.result()
+        # a step's time: since the step before it completed (steps overlap), or since its launch after a pause
+        now = perf_counter()
+        elapsed, self._last_completed = max(now - max(self._last_completed, step.launched_at), 1e-6), now
+        kind, num_tokens = ("Prefill", step.num_prefill) if step.num_prefill else ("Decode", step.num_decode)
+        self._throughput[kind] = f"{int(num_tokens / elapsed)}tok/s"
+        took, finished = self.scheduler.complete(step.sampled, step.filled, token_ids, logprobs)
         handles = self._loop.handles
-        for seq in sampled:
+        for seq in took:
             handle = handles.get(seq.seq_id)
             if handle is not None and handle._on_token(seq.last_token):  # a stop string ended it
                 if seq.is_finished:
@@ -234,7 +263,7 @@ class LLMEngine:
             handle = handles.pop(seq.seq_id, None)
             if handle is not None:
                 handle._on_finish([seq.last_token])
-        return finished, num_prefill, num_decode
+        return finished
 
     # ---- offline batches ----------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt] | Prompt,
@@ -283,6 +312,26 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab_size}")
         return params
+
+
+@dataclass(slots=True)
+class Step:
+    """A launched step: the sequences that sample (in the order of its tokens), what the scheduler needs to
+    complete it, and rank 0's output on its way to the host."""
+    sampled: list[Sequence]
+    filled: list[tuple]
+    output: StepOutput
+    num_prefill: int
+    num_decode: int
+    launched_at: float
+
+
+def needs_token_values(seq: Sequence) -> bool:
+    """Whether sampling this sequence reads the values of its tokens (repetition, frequency and presence
+    penalties), which a pending token does not have yet."""
+    params = seq.params
+    return (seq.is_pending and seq.samples_this_step
+            and (params.repetition_penalty != 1 or params.frequency_penalty != 0 or params.presence_penalty != 0))
 
 
 def token_id_list(values) -> list[int] | None:

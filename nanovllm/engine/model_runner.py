@@ -1,15 +1,17 @@
 """One tensor-parallel rank: device, process group, weights, KV cache, and the forward + sample of a step.
 
-Rank 0 lives in the caller's process and drives the others: `call(method, *args)` pickles the call into a
-shared-memory buffer, wakes every worker with its Event, then runs the same method itself. Workers sit in
-`loop()` until they are told to exit.
+Rank 0 lives in the caller's process and drives the others: `call(method, *args)` sends the call through the
+shared-memory channel (`tp_channel.py`), then runs the same method itself. Workers sit in `loop()` until they
+are told to exit. Decode steps replay CUDA graphs (`cuda_graphs.py`).
+
+`run` launches a step and returns without waiting for the device: rank 0 gets a `StepOutput` whose tokens
+arrive later. Every rank keeps the step's sampled tokens on the device (the workers receive them by a
+broadcast), because the next step may be launched before the host knows them: a sequence whose last token is
+pending reads it from there.
 """
 import logging
-import multiprocessing as mp
 import os
-import pickle
 from contextlib import contextmanager
-from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
 
 import numpy as np
@@ -17,8 +19,11 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_output import StepOutput
+from nanovllm.engine.tp_channel import Channel
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata, get_backend, resolve_backend_name
 from nanovllm.layers.layernorm import RMSNorm
@@ -29,7 +34,6 @@ from nanovllm.utils.loader import load_model
 
 logger = logging.getLogger(__name__)
 
-SHM_SIZE = 1 << 20
 CPU_KV_CACHE_SHARE = 0.25  # of available RAM, at most, for the cache on CPU
 
 
@@ -50,7 +54,6 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         self.world_size = config.tensor_parallel_size
-        self.event = event
         self.block_size = config.kvcache_block_size
         self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
         self.dtype = config.torch_dtype
@@ -72,25 +75,20 @@ class ModelRunner:
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.sampled = torch.zeros(0, dtype=torch.int64, device=self.device)  # the last step's tokens
         if config.device == "cuda":
             self.compile_small_ops()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_vars = None
+        self.graphs: DecodeGraphs | None = None
         self.allocate_kv_cache()
         if config.device == "cuda":
             self.warmup_kernels()
         if config.device == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
-            self.capture_cudagraphs()
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_model_len, self.block_size,
+                                       self.device)
 
-        self.shm = None
-        if self.world_size > 1:
-            if rank == 0:
-                self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
-                dist.barrier()
-            else:
-                dist.barrier()
-                self._attach_shm(shm_name)
-                self.loop()
+        self.channel = Channel(shm_name, rank, event) if self.world_size > 1 else None
+        if self.world_size > 1 and rank:
+            self.loop()
 
     def _backend_name(self) -> str:
         config = self.config
@@ -108,11 +106,9 @@ class ModelRunner:
 
     # ---- tensor-parallel plumbing -------------------------------------------------------------------
     def exit(self, workers_alive: bool = True):
-        if self.shm is not None:
-            self.shm.close()
-            if self.rank == 0:
-                self.shm.unlink()
-            self.shm = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
         if dist.is_initialized():
             if workers_alive:
                 dist.barrier()
@@ -120,61 +116,24 @@ class ModelRunner:
         # give the GPU memory back now: compiled forwards make reference cycles that only a gc would break
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache = self.graph_vars = None
-        self.graphs.clear()
+        self.kv_cache = self.graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
     def loop(self):
         while True:
-            method_name, args = self.read_shm()
+            method_name, args = self.channel.receive()
             self.call(method_name, *args)
             if method_name == "exit":
                 break
 
-    def read_shm(self):
-        while not self.event.wait(1.0):
-            if not mp.parent_process().is_alive():  # rank 0 is gone: nobody will ever call again
-                raise SystemExit(1)
-        n = int.from_bytes(self.shm.buf[0:8], "little")
-        method_name, *args = pickle.loads(self.shm.buf[8:n + 8])
-        self.event.clear()
-        return method_name, args
-
-    def write_shm(self, method_name: str, *args):
-        data = pickle.dumps([method_name, *args])
-        if len(data) + 8 > self.shm.size:
-            self._grow_shm(len(data) + 8)
-        self._post(data)
-
-    def _post(self, data: bytes):
-        self.shm.buf[0:8] = len(data).to_bytes(8, "little")
-        self.shm.buf[8:len(data) + 8] = data
-        for event in self.event:
-            event.set()
-
-    def _grow_shm(self, size: int):
-        """Move to a buffer at least twice as big: the workers attach to it before the old one goes."""
-        old = self.shm
-        new = SharedMemory(name=f"{old.name.lstrip('/')}-{size}", create=True, size=max(size, 2 * old.size))
-        self._post(pickle.dumps(["_attach_shm", new.name]))  # through the old buffer
-        dist.barrier()  # every worker has attached to the new buffer and let go of the old one
-        old.close()
-        old.unlink()
-        self.shm = new
-
     def _attach_shm(self, name: str):
-        """A worker's side of a new buffer (rank 0 owns and unlinks every buffer)."""
-        # the spawned workers share rank 0's resource tracker, which unlinks the segment if rank 0 dies
-        old, self.shm = self.shm, SharedMemory(name=name)
-        if old is not None:
-            old.close()
-            dist.barrier()
+        self.channel.attach(name)
 
     def call(self, method_name: str, *args):
         if self.world_size > 1 and self.rank == 0:
-            self.write_shm(method_name, *args)
+            self.channel.post(method_name, *args)
         return getattr(self, method_name)(*args)
 
     # ---- KV cache -----------------------------------------------------------------------------------
@@ -267,6 +226,7 @@ class ModelRunner:
             slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
         samples = np.array([seq.samples_this_step for seq in seqs], dtype=bool)
         logits_indices = cu_seqlens_q[1:][samples] - 1
+        pending_rows = np.fromiter((seq.pending_row for seq in seqs), np.int64, len(seqs))
 
         to_device = self._to_device
         meta = AttentionMetadata(
@@ -279,7 +239,11 @@ class ModelRunner:
             query_lens_host=query_lens.tolist(),
             context_lens_host=context_lens.tolist(),
         )
-        return to_device(input_ids), to_device(positions), meta, to_device(logits_indices)
+        input_ids = to_device(input_ids)
+        pending = pending_rows >= 0
+        if pending.any():  # a pending token is its sequence's one scheduled token: read it where it was sampled
+            input_ids[to_device(cu_seqlens_q[1:][pending] - 1)] = self.sampled[to_device(pending_rows[pending])]
+        return input_ids, to_device(positions), meta, to_device(logits_indices)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(array))
@@ -288,73 +252,26 @@ class ModelRunner:
         return t
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None] | None] | None:
-        """Compute the scheduled tokens of `seqs`; rank 0 returns one sampled token per sampling sequence,
-        and their logprobs when some sequence asked for them."""
+    def run(self, seqs: list[Sequence]) -> StepOutput | None:
+        """Launch the computation of the scheduled tokens of `seqs`; rank 0 returns the step's samples, one
+        per sampling sequence, without waiting for them."""
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
-        if self.graphs and meta.max_seqlen_q == 1 and len(seqs) <= self.graph_batch_sizes[-1]:
-            hidden_states = self.replay_cudagraph(input_ids, positions, meta)
+        num_samples = logits_indices.size(0)
+        if self.graphs is not None and meta.max_seqlen_q == 1 and self.graphs.fits(len(seqs)):
+            logits = self.graphs.replay(input_ids, positions, meta)
+            if logits is not None and num_samples < len(seqs):  # a one-token chunk of a prompt samples nothing
+                logits = logits[logits_indices]
         else:
             hidden_states = self.model(input_ids, positions, meta)
-        if logits_indices.numel() == 0:
-            return ([], None) if self.rank == 0 else None
-        logits = self.model.compute_logits(hidden_states[logits_indices])
-        if self.rank != 0:
-            return None
-        batch = build_sampling_batch([seq for seq in seqs if seq.samples_this_step], self.eos_token_ids,
-                                     logits.size(1), self._to_device)
-        return self.sampler.sample(logits, batch, self.generator)
-
-    # ---- CUDA graphs for decode ---------------------------------------------------------------------
-    @torch.inference_mode()
-    def capture_cudagraphs(self):
-        """One graph per decode batch size, sharing static buffers that each replay refills."""
-        config = self.config
-        max_bs = min(config.max_num_seqs, 512)
-        # a full-length sequence's first decode needs max_model_len // block_size + 1 blocks
-        max_blocks = config.max_model_len // self.block_size + 1
-        hidden_size = config.hf_config.hidden_size
-        self.graph_batch_sizes = sorted({*[b for b in (1, 2, 4, 8) if b < max_bs], *range(16, max_bs, 16), max_bs})
-        i32 = dict(dtype=torch.int32, device=self.device)
-        self.graph_vars = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=self.device),
-            context_lens=torch.zeros(max_bs, **i32),
-            block_tables=torch.zeros(max_bs, max_blocks, **i32),
-            cu_seqlens_q=torch.arange(max_bs + 1, **i32),
-            outputs=torch.zeros(max_bs, hidden_size, dtype=self.dtype, device=self.device),
-        )
-        g = self.graph_vars
-        g["context_lens"].fill_(1)  # capture with a valid one-token context in block 0
-        pool = None
-        for bs in reversed(self.graph_batch_sizes):
-            meta = self._graph_metadata(bs)
-            g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)  # warm-up / compile
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
-            pool = pool or graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
-
-    def _graph_metadata(self, bs: int) -> AttentionMetadata:
-        g = self.graph_vars
-        return AttentionMetadata(slot_mapping=g["slot_mapping"][:bs], block_tables=g["block_tables"][:bs],
-                                 context_lens=g["context_lens"][:bs], cu_seqlens_q=g["cu_seqlens_q"][:bs + 1],
-                                 max_seqlen_q=1, max_seqlen_k=self.config.max_model_len)
-
-    def replay_cudagraph(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        n = input_ids.size(0)
-        bs = next(b for b in self.graph_batch_sizes if b >= n)
-        g = self.graph_vars
-        g["input_ids"][:n] = input_ids
-        g["positions"][:n] = positions
-        g["slot_mapping"][:bs].fill_(-1)  # padding rows write nothing
-        g["slot_mapping"][:n] = meta.slot_mapping
-        g["context_lens"][:bs].fill_(1)  # padding rows read one slot of block 0 and write nothing
-        g["context_lens"][:n] = meta.context_lens
-        g["block_tables"][:bs].zero_()  # no stale entries from an earlier, longer batch
-        g["block_tables"][:n, :meta.block_tables.size(1)] = meta.block_tables
-        self.graphs[bs].replay()
-        return g["outputs"][:n]
+            logits = self.model.compute_logits(hidden_states[logits_indices]) if num_samples else None
+        if self.rank == 0 and num_samples:
+            batch = build_sampling_batch([seq for seq in seqs if seq.samples_this_step], self.eos_token_ids,
+                                         logits.size(1), self._to_device)
+            self.sampled, logprobs = self.sampler.sample(logits, batch, self.generator)
+            output = StepOutput(self.sampled, logprobs, batch.num_logprobs)
+        else:
+            self.sampled = torch.empty(num_samples, dtype=torch.int64, device=self.device)
+            output = StepOutput(self.sampled) if self.rank == 0 else None
+        if self.world_size > 1 and num_samples:
+            dist.broadcast(self.sampled, 0)  # the workers' next step may read pending tokens from it
+        return output

@@ -292,6 +292,7 @@ class EngineLoop:
                 handle._on_error(error)
             else:
                 handle.seq.finish_reason = handle.seq.finish_reason or "abort"
+                handle.seq.drop_pending()  # a token still on the device is not part of the output
                 handle._on_finish([])
         self.handles.clear()
 

@@ -8,7 +8,16 @@ decode has one left, a prefill more. Two policies share it:
 When KV blocks run out, the newest running sequence is preempted and recomputed later.
 A sequence ends on EOS or one of its stop token ids (not before `min_tokens`), or at `max_tokens` or
 `max_model_len`; stop strings are the engine's to find, since they need text.
+
+A step's bookkeeping has two halves, so that the engine can schedule the next step before this one's
+tokens are known (overlap scheduling): `launched` when its inputs are on their way (the KV it computes
+counts as computed; each sampling sequence gets a PENDING last token), `complete` when its tokens arrive
+(fill them in, finish sequences, hash the blocks it filled). A sequence with a pending token is scheduled as
+a decode of that token, unless the token certainly ends it (max_tokens, max_model_len); if the token turns
+out to end it otherwise (EOS, a stop), the next step's work for it is dropped. `postprocess` is both
+halves at once.
 """
+from itertools import repeat
 from collections import deque
 
 from nanovllm.config import Config
@@ -43,6 +52,8 @@ class Scheduler:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
         seq.num_scheduled_tokens = 0
+        seq.status = SequenceStatus.FINISHED
+        seq.drop_pending()
 
     def schedule(self) -> list[Sequence]:
         """Pick this step's sequences and set `num_scheduled_tokens` on each."""
@@ -65,7 +76,7 @@ class Scheduler:
         scheduled = []
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.allocate(seq):
+            if seq.is_pending or not self.block_manager.allocate(seq):  # a preempted one waits for its token
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -76,9 +87,12 @@ class Scheduler:
 
     def _schedule_running(self, budget: int) -> list[Sequence]:
         """Running sequences in order, each with what it has left (capped by the budget)."""
-        scheduled = []
-        while len(scheduled) < len(self.running) and budget:
-            seq = self.running[len(scheduled)]
+        scheduled, i = [], 0
+        while i < len(self.running) and budget:
+            seq = self.running[i]
+            i += 1
+            if seq.is_pending and self._reaches_length(seq):  # its pending token ends it: nothing to compute
+                continue
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, num_tokens):
                 victim = self.running.pop()
@@ -91,13 +105,17 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
+    def _reaches_length(self, seq: Sequence) -> bool:
+        return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+
     @staticmethod
     def _take(seq: Sequence, budget: int) -> int:
         seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
         return seq.num_scheduled_tokens
 
     def _schedule_decode(self) -> list[Sequence]:
-        return self._schedule_running(len(self.running))  # every running sequence has one token left
+        # every running sequence has one token left; the token budget still bounds the step
+        return self._schedule_running(min(len(self.running), self.max_num_batched_tokens))
 
     def _preempt(self, seq: Sequence):
         self.num_preemptions += 1
@@ -105,35 +123,53 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int],
-                    logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
-        """Account for a finished step: advance, hash full blocks, append samples; returns finished ones."""
-        sampled = zip(token_ids, logprobs or [None] * len(token_ids))
-        finished = []
+    def launched(self, seqs: list[Sequence]) -> list[tuple]:
+        """A step computing `seqs` is on its way: their scheduled KV counts as computed. Returns what
+        `complete` needs to hash the blocks it fills."""
+        filled = []
         for seq in seqs:
-            samples = seq.samples_this_step
-            num_computed_before = seq.num_computed_tokens
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.hash_computed_blocks(seq, num_computed_before)
-            if not samples:
+            filled.append((seq, seq.block_table, before, seq.num_computed_tokens))
+        return filled
+
+    def complete(self, sampled: list[Sequence], filled: list[tuple], token_ids: list[int],
+                 logprobs: list[dict[int, float] | None] | None = None) -> tuple[list[Sequence], list[Sequence]]:
+        """A launched step's tokens arrived (one per sequence of `sampled`, in order): fill in the pending
+        tokens, end sequences, hash the blocks the step filled. Returns the sequences that took a token and
+        those that finished. A sequence that ended or was aborted meanwhile takes nothing."""
+        for seq, block_table, num_computed_before, num_computed_after in filled:
+            if seq.block_table is block_table and not seq.is_finished:  # not preempted or freed meanwhile
+                self.block_manager.hash_computed_blocks(seq, num_computed_before, num_computed_after)
+        took, finished = [], []
+        for seq, token_id, token_logprobs in zip(sampled, token_ids, logprobs or repeat(None)):
+            if seq.is_finished:
                 continue
-            token_id, token_logprobs = next(sampled)
-            seq.append_token(token_id, token_logprobs)
+            seq.fill_pending(token_id, token_logprobs)
+            took.append(seq)
             params = seq.params
             is_eos = not params.ignore_eos and token_id in self.eos_token_ids
             if (is_eos or token_id in params.stop_token_ids) and seq.num_completion_tokens >= params.min_tokens:
                 seq.stop_reason = None if is_eos else token_id  # as vLLM: None for EOS
                 self.finish(seq, "stop")
-            elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif self._reaches_length(seq):
                 self.finish(seq, "length")
             else:
                 continue
             finished.append(seq)
-        return finished
+        return took, finished
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int],
+                    logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
+        """Both halves of a step whose tokens are known at once; returns the sequences it finished."""
+        sampled = [seq for seq in seqs if seq.samples_this_step]
+        filled = self.launched(seqs)
+        for row, seq in enumerate(sampled):
+            seq.append_pending(row)
+        return self.complete(sampled, filled, token_ids, logprobs)[1]
 
     def finish(self, seq: Sequence, reason: str):
-        """End a running sequence (also from outside, when a stop string matched) and free its blocks."""
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        self.block_manager.deallocate(seq)
-        self.running.remove(seq)
+        """End a sequence (also from outside, when a stop string matched) and free its blocks."""
+        seq.finish_reason = reason
+        self.abort(seq)

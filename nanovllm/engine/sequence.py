@@ -1,5 +1,9 @@
 """One request: its tokens, how many of them are in the KV cache, and its block table.
 
+With overlap scheduling a sequence's last token may be pending: sampled by the step in flight, its value is
+still on the GPU (row `pending_row` of that step's sampled tokens), and its place holds PENDING until the
+step completes. The next step can already compute it: the model runner reads the value there.
+
 A sequence pickles compactly for the tensor-parallel workers: only what one step needs travels (the
 scheduled tokens, the block table and a few counters), never the whole token history.
 """
@@ -8,6 +12,8 @@ from enum import Enum, auto
 from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
+
+PENDING = -1  # the place of a token that the step in flight sampled and the host does not know yet
 
 
 class SequenceStatus(Enum):
@@ -20,7 +26,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "status", "token_ids", "token_offset", "last_token", "num_tokens", "num_prompt_tokens",
         "num_computed_tokens", "num_cached_tokens", "num_scheduled_tokens", "block_table",
-        "params", "plain_sampling", "finish_reason", "stop_reason", "logprobs",
+        "params", "plain_sampling", "finish_reason", "stop_reason", "logprobs", "pending_row",
     )
     counter = count()
 
@@ -41,6 +47,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        self.pending_row = -1  # >= 0: the last token is PENDING, in this row of the step in flight's samples
 
     def __len__(self):
         return self.num_tokens
@@ -76,18 +83,42 @@ class Sequence:
     def block(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]
 
-    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None):
+    @property
+    def is_pending(self) -> bool:
+        return self.pending_row >= 0
+
+    def append_pending(self, row: int):
+        """A step was launched that samples this sequence's next token into `row` of its samples."""
+        self.token_ids.append(PENDING)
+        self.last_token = PENDING
+        self.num_tokens += 1
+        self.pending_row = row
+
+    def fill_pending(self, token_id: int, logprobs: dict[int, float] | None = None):
+        """The step completed: the pending last token is `token_id`."""
+        assert self.is_pending
         if self.logprobs is not None:
             self.logprobs.append(logprobs)
-        self.token_ids.append(token_id)
-        self.last_token = token_id
-        self.num_tokens += 1
+        self.token_ids[-1] = self.last_token = token_id
+        self.pending_row = -1
+
+    def drop_pending(self):
+        """The sequence ends before its pending token arrives (an abort): that token is not part of it."""
+        if self.is_pending:
+            self.token_ids.pop()
+            self.num_tokens -= 1
+            self.last_token = self.token_ids[-1]
+            self.pending_row = -1
+
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None):
+        self.append_pending(0)
+        self.fill_pending(token_id, logprobs)
 
     def __getstate__(self):
         return (self.seq_id, self.num_tokens, self.num_computed_tokens, self.num_scheduled_tokens,
-                self.block_table, self.scheduled_token_ids)
+                self.block_table, self.pending_row, self.scheduled_token_ids)
 
     def __setstate__(self, state):
         (self.seq_id, self.num_tokens, self.num_computed_tokens, self.num_scheduled_tokens,
-         self.block_table, self.token_ids) = state
+         self.block_table, self.pending_row, self.token_ids) = state
         self.token_offset = self.num_computed_tokens

@@ -49,10 +49,11 @@ class Sampler(nn.Module):
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
-               ) -> tuple[list[int], list[dict[int, float] | None] | None]:
-        """Token ids, and per row the logprobs asked for (None when no row asked)."""
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """Token ids, and the tensors of the logprobs asked for (None when no row asked; see
+        `gather_logprobs`), on the logits' device: nothing here waits for the device."""
         if batch.is_plain:
-            return self(logits, batch.temperatures, generator).tolist(), None
+            return self(logits, batch.temperatures, generator), None
         raw = logits.float()
         logits = apply_penalties(raw, batch)
         greedy = batch.temperatures == 0
@@ -65,10 +66,9 @@ class Sampler(nn.Module):
                 self.seeded_generator = torch.Generator(probs.device)
             noise[row].exponential_(1, generator=self.seeded_generator.manual_seed(seed))
         sampled = torch.where(greedy, logits.argmax(dim=-1), probs.div_(noise).argmax(dim=-1))
-        token_ids = sampled.tolist()
         if batch.num_logprobs is None:
-            return token_ids, None
-        return token_ids, gather_logprobs(raw, sampled, batch.num_logprobs)
+            return sampled, None
+        return sampled, gather_logprobs(raw, sampled, batch.num_logprobs)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -106,15 +106,20 @@ def apply_min_p_top_k_top_p(logits: torch.Tensor, min_p: torch.Tensor | None, to
 
 
 def gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]
-                    ) -> list[dict[int, float] | None]:
-    """Per row that asked: {sampled id: its logprob, then the top-k ids by logprob}, from the raw logits."""
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the raw logits: the sampled tokens' logprobs [n], and the ids and logprobs of the k likeliest
+    tokens [n, k], k the largest number any row asked for."""
     logprobs = torch.log_softmax(logits, dim=-1)
     k = max(n for n in num_logprobs if n is not None)
     top_values, top_ids = logprobs.topk(k, dim=-1)
-    sampled_values = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
-    rows = zip(num_logprobs, sampled.tolist(), sampled_values.tolist(), top_ids.tolist(), top_values.tolist())
+    return logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1), top_ids, top_values
+
+
+def logprob_dicts(token_ids: list[int], sampled_values: list[float], top_ids: list[list[int]],
+                  top_values: list[list[float]], num_logprobs: list[int | None]) -> list[dict[int, float] | None]:
+    """Per row that asked: {sampled id: its logprob, then the top-k ids by logprob}."""
     out = []
-    for n, token_id, value, ids, values in rows:
+    for n, token_id, value, ids, values in zip(num_logprobs, token_ids, sampled_values, top_ids, top_values):
         if n is None:
             out.append(None)
             continue

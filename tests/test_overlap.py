@@ -1,0 +1,141 @@
+"""Overlap scheduling (`async_scheduling`, on by default): the host schedules and launches step N+1 before it
+knows step N's tokens. Outputs are token for token those of the synchronous engine, whatever ends a request,
+and the extra token computed for a request that ended is dropped without a trace."""
+import random
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine import step_output
+from tests.conftest import assert_greedy_matches_hf
+
+
+def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def mixed_params() -> list[SamplingParams]:
+    """A request of each kind of ending and sampling control."""
+    return [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, stop=["e", "ab"]),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=list(range(3, 512, 7))),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=list(range(3, 512, 5)), min_tokens=6),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=10, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=14, repetition_penalty=1.3, frequency_penalty=0.5,
+                       ignore_eos=True),
+    ]
+
+
+def run(tiny_model, batch, params, async_scheduling, **engine_args):
+    with LLM(tiny_model, async_scheduling=async_scheduling, **engine_args) as llm:
+        first = llm.generate(batch, params)
+        second = llm.generate(batch, params)  # prefix-cache hits
+        stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    return first, second, stats
+
+
+def same_outputs(a: list[dict], b: list[dict]):
+    for x, y in zip(a, b, strict=True):
+        assert {k: x[k] for k in x if k != "logprobs"} == {k: y[k] for k in y if k != "logprobs"}
+        assert (x["logprobs"] is None) == (y["logprobs"] is None)
+        for p, q in zip(x["logprobs"] or [], y["logprobs"] or [], strict=True):
+            assert p.keys() == q.keys() and all(abs(p[t] - q[t]) < 1e-5 for t in p)
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(kvcache_block_size=16),
+    dict(kvcache_block_size=16, max_num_batched_tokens=40),  # chunked prompts beside decodes
+    dict(kvcache_block_size=16, num_kvcache_blocks=12, max_num_batched_tokens=64),  # preemption
+    dict(kvcache_block_size=32, prefill_first=True),
+    dict(kvcache_block_size=16, max_model_len=48),  # requests that end at max_model_len
+], ids=["plain", "chunked", "preempting", "prefill-first", "max-model-len"])
+def test_overlap_equals_synchronous(tiny_model, hf_model, engine_args):
+    batch = prompts(16, seed=1, hi=40) + [list(range(3, 43))]
+    params = [mixed_params()[i % 8] for i in range(16)] + [SamplingParams(temperature=0, max_tokens=30,
+                                                                            ignore_eos=True)]
+    on = run(tiny_model, batch, params, True, **engine_args)
+    off = run(tiny_model, batch, params, False, **engine_args)
+    same_outputs(on[0], off[0])
+    same_outputs(on[1], off[1])
+    assert [o["num_cached_tokens"] for o in on[1]] == [o["num_cached_tokens"] for o in off[1]]
+    assert on[2]["num_preemptions"] == off[2]["num_preemptions"]
+    if "num_kvcache_blocks" in engine_args:
+        assert on[2]["num_preemptions"] > 0
+    if "max_model_len" in engine_args:  # the last request: 40 prompt tokens, 8 generated
+        assert len(on[0][-1]["token_ids"]) == 8 and on[0][-1]["finish_reason"] == "length"
+    for prompt, p, out in zip(batch, params, on[1]):
+        if p.temperature == 0 and p.repetition_penalty == 1 and p.min_tokens == 0 and out["token_ids"]:
+            assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
+    reasons = {o["finish_reason"] for o in on[0]}
+    assert reasons == {"stop", "length"}
+
+
+def test_steps_overlap_only_when_asked(tiny_model, monkeypatch):
+    events = []
+    result = step_output.StepOutput.result
+
+    def logged_result(self):
+        events.append("result")
+        return result(self)
+
+    monkeypatch.setattr(step_output.StepOutput, "result", logged_result)
+    for async_scheduling in (True, False):
+        with LLM(tiny_model, kvcache_block_size=16, async_scheduling=async_scheduling) as llm:
+            run_step = llm.model_runner.run
+            monkeypatch.setattr(llm.model_runner, "run", lambda seqs: events.append("run") or run_step(seqs))
+            events.clear()
+            llm.generate(prompts(4, seed=2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        in_flight, ahead = 0, 0  # steps launched and not completed; launches made while one was in flight
+        for event in events:
+            in_flight += 1 if event == "run" else -1
+            ahead += in_flight == 2
+        assert in_flight == 0 and events.count("run") > 4
+        if async_scheduling:  # every step but the first is launched before the one before it completes
+            assert ahead == events.count("run") - 1
+        else:
+            assert ahead == 0
+
+
+def test_the_extra_token_of_an_ended_request_is_dropped(tiny_model):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        full = llm.generate(prompts(6, seed=3), params)
+        stops = [SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[o["token_ids"][4]]) for o in full]
+        ended = llm.generate(prompts(6, seed=3), stops)
+        for a, b in zip(full, ended):
+            end = a["token_ids"].index(a["token_ids"][4]) + 1
+            assert b["token_ids"] == a["token_ids"][:end] and b["finish_reason"] == "stop"
+        bm = llm.scheduler.block_manager
+        assert bm.num_free_blocks == len(bm.blocks)
+        assert all(-1 not in bm.blocks[b].token_ids for b in bm.hash_to_block_id.values())
+
+
+def test_aborted_mid_run_keeps_only_known_tokens(tiny_model):
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        expected = llm.generate(prompts(3, seed=4), long)
+        handles = [llm.submit(p, long) for p in prompts(3, seed=4)]
+        increments = [iter(h) for h in handles]
+        for _ in range(5):
+            for it in increments:
+                next(it)
+        for h in handles:
+            h.abort()
+        for h, e in zip(handles, expected):
+            out = h.result(timeout=30)
+            assert out["finish_reason"] == "abort" and -1 not in out["token_ids"]
+            assert 5 <= len(out["token_ids"]) < 300 and out["token_ids"] == e["token_ids"][:len(out["token_ids"])]
+
+
+def test_tensor_parallel_overlap_equals_synchronous(tiny_model):
+    batch = prompts(8, seed=5, hi=40)
+    params = [mixed_params()[i % 8] for i in range(len(batch))]
+    on = run(tiny_model, batch, params, True, kvcache_block_size=16, tensor_parallel_size=2)
+    off = run(tiny_model, batch, params, False, kvcache_block_size=16)
+    same_outputs(on[0], off[0])
+    same_outputs(on[1], off[1])
