@@ -46,12 +46,29 @@ def test_cuda_graph_decode_equals_eager(qwen3_06b):
     with LLM(qwen3_06b, enforce_eager=True, max_model_len=2048) as eager:
         expected = [o["token_ids"] for o in eager.generate(batch, greedy(48), use_tqdm=False)]
     with LLM(qwen3_06b, max_model_len=2048, max_num_seqs=20) as graphs:
-        assert graphs.model_runner.graphs, "no CUDA graphs were captured"
-        assert graphs.model_runner.graph_batch_sizes == [1, 2, 4, 8, 16, 20]
+        assert graphs.model_runner.graphs is not None, "no CUDA graphs were captured"
+        assert graphs.model_runner.graphs.batch_sizes == [1, 2, 4, 8, 16, 20]
         # a long batch first leaves long block tables behind; the next replay must not read them
         graphs.generate(prompts(20, seed=1, lo=1500, hi=2000), greedy(8), use_tqdm=False)
         got = [o["token_ids"] for o in graphs.generate(batch, greedy(48), use_tqdm=False)]
     assert got == expected
+
+
+def test_overlap_equals_synchronous_on_cuda(qwen3_small):
+    # requests that end at max_tokens: both engines run the same batches, so the same kernels give the same bits
+    batch = prompts(24, seed=6, lo=20, hi=400)
+    params = [SamplingParams(temperature=0, max_tokens=40 + i, ignore_eos=True) if i % 3 == 0 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=30 + i, ignore_eos=True, logprobs=2) if i % 3 == 1
+              else SamplingParams(temperature=0, max_tokens=1) for i in range(len(batch))]
+    outputs = []
+    for async_scheduling in (True, False):
+        with LLM(qwen3_small, max_model_len=1024, async_scheduling=async_scheduling) as llm:
+            outputs.append(llm.generate(batch, params, use_tqdm=False))
+            stats = llm.stats()
+            assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    on, off = outputs
+    assert [o["token_ids"] for o in on] == [o["token_ids"] for o in off]
+    assert [len(o["token_ids"]) for o in on] == [p.max_tokens for p in params]
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
