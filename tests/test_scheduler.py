@@ -135,3 +135,40 @@ def test_a_preempted_sequence_goes_back_first(tiny_model):
     while not a.is_finished:
         step(s)
     assert step(s)[0] == {b.seq_id: 17}
+
+
+def launch(s: Scheduler) -> tuple:
+    """Schedule and launch a step the way overlap scheduling does: its tokens are pending until complete()."""
+    seqs = s.schedule()
+    sampled = [seq for seq in seqs if seq.samples_this_step]
+    filled = s.launched(seqs)
+    for row, seq in enumerate(sampled):
+        seq.append_pending(row)
+    return seqs, sampled, filled
+
+
+def test_a_preempted_sequence_waits_for_its_pending_token(tiny_model):
+    s = make_scheduler(tiny_model, prefill_first=False, num_kvcache_blocks=8)
+    a = Sequence([9] * 10, SamplingParams(max_tokens=5, ignore_eos=True))
+    s.add(a)
+    _, sampled, filled = launch(s)
+    assert a.is_pending
+    s.running.remove(a)
+    s._preempt(a)  # as when blocks run out; its token is still in flight
+    assert s.schedule() == [] and a in s.waiting  # its pending token would have to be read mid-prompt
+    s.complete(sampled, filled, [5])
+    assert s.schedule() == [a] and a.num_scheduled_tokens == 11
+
+
+def test_a_step_hashes_only_the_blocks_it_filled(tiny_model):
+    s = make_scheduler(tiny_model, prefill_first=False, num_kvcache_blocks=8, max_num_batched_tokens=32)
+    a = Sequence(list(range(3, 43)), SamplingParams(max_tokens=5, ignore_eos=True))
+    s.add(a)
+    _, sampled, filled = launch(s)  # the first 32 tokens of the prompt: two blocks
+    s.running.remove(a)
+    s._preempt(a)
+    s.max_num_batched_tokens = 8
+    assert s.schedule() == [a] and a.num_scheduled_tokens == 8  # back at once, with new blocks, 8 tokens only
+    s.launched([a])
+    s.complete(sampled, filled, [])  # the first step's blocks are gone: nothing of it may be hashed
+    assert s.block_manager.hash_to_block_id == {}

@@ -34,6 +34,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.block_size, self.num_blocks, self.overlap = block_size, num_blocks, overlap
         self.in_flight = None  # a launched step whose tokens are pending: (sampled, filled, tokens)
         self.live: list[Sequence] = []  # added, not yet finished
+        self.ended: list[Sequence] = []
         self.finished = Counter()
 
     @rule(prompt=PROMPTS, max_tokens=st.integers(1, 24),
@@ -56,6 +57,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert 0 < seq.num_scheduled_tokens <= seq.num_tokens - seq.num_computed_tokens
             assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens + seq.num_scheduled_tokens
             assert not seq.is_pending or seq.num_scheduled_tokens == 1  # a pending token is only decoded
+            # nothing is computed for a request that its pending token certainly ends
+            assert not seq.is_pending or (seq.num_completion_tokens < seq.params.max_tokens
+                                          and seq.num_tokens < self.scheduler.max_model_len)
         sampled = [seq for seq in seqs if seq.samples_this_step]
         tokens = data.draw(st.lists(st.integers(0, 63), min_size=len(sampled), max_size=len(sampled)))
         launched = (sampled, self.scheduler.launched(seqs), tokens) if seqs else None
@@ -92,6 +96,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._finish([seq])
 
     def _finish(self, seqs):
+        self.ended.extend(seqs)
         for seq in seqs:
             self.finished[seq.seq_id] += 1
             assert self.finished[seq.seq_id] == 1, f"sequence {seq.seq_id} finished twice"
@@ -141,6 +146,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert block.token_ids == seq.block(i, self.block_size) and PENDING not in block.token_ids
                 assert block.hash == compute_hash(block.token_ids, prefix)
                 prefix = block.hash
+
+    @invariant()
+    def ended_requests_stay_ended(self):
+        for seq in getattr(self, "ended", []):  # no token is added to them, pending or not
+            assert seq.is_finished and not seq.is_pending and seq.block_table == []
+            assert seq.num_tokens == len(seq.token_ids) and PENDING not in seq.token_ids
 
     @invariant()
     def queues_are_consistent(self):
