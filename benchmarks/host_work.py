@@ -1,0 +1,151 @@
+"""Host work per call that could grow with the size of the KV cache or of a request's history (issue 10,
+item 4), timed on CPU:
+(a) `BlockManager.allocate` for a 2,049-token prompt: a hit on a cached 2,048-token prefix whose blocks sit at
+    the end of the free list (where freed blocks go), a miss, and a retry that does not fit (a waiting
+    prompt is retried at every step until it fits);
+(b) what a request handle costs per sampled token: on the loop thread (`_on_token`), and for a reader who
+    iterates it, with the number of tokenizer decodes per token.
+
+    python benchmarks/host_work.py [--blocks 4400 131072] [--repeat 50] [--tokens 2000]
+"""
+import argparse
+import asyncio
+import random
+import statistics
+import threading
+import time
+from types import SimpleNamespace
+
+from transformers import AutoTokenizer
+
+from nanovllm import SamplingParams
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.request import RequestHandle
+from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.random_checkpoint import default_checkpoint
+
+BLOCK_SIZE = 16
+PREFIX = 2048
+
+
+def median_ms(timings: list[float]) -> float:
+    return statistics.median(timings) * 1e3
+
+
+def allocate_row(num_blocks: int, repeat: int, rng: random.Random) -> dict:
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(151936) for _ in range(length)]
+
+    def cache_prefix(bm: BlockManager, tokens: list[int]) -> Sequence:
+        seq = Sequence(tokens)
+        assert bm.allocate(seq)
+        seq.num_computed_tokens = PREFIX
+        bm.hash_computed_blocks(seq, 0)
+        return seq
+
+    def timed_allocate(bm: BlockManager, seq: Sequence) -> tuple[bool, float]:
+        start = time.perf_counter()
+        fits = bm.allocate(seq)
+        return fits, time.perf_counter() - start
+
+    cached = prompt(PREFIX + 1)
+    hit, miss, retry = [], [], []
+    bm = BlockManager(num_blocks, BLOCK_SIZE)
+    bm.deallocate(cache_prefix(bm, cached))  # its blocks keep their hashes, at the end of the free list
+    for _ in range(repeat):
+        seq = Sequence(cached)  # a new request: nothing about it is known yet
+        fits, seconds = timed_allocate(bm, seq)
+        assert fits and seq.num_cached_tokens == PREFIX
+        hit.append(seconds)
+        bm.deallocate(seq)
+    bm = BlockManager(num_blocks, BLOCK_SIZE)
+    for _ in range(repeat):
+        seq = Sequence(prompt(PREFIX + 1))
+        fits, seconds = timed_allocate(bm, seq)
+        assert fits and seq.num_cached_tokens == 0
+        miss.append(seconds)
+        bm.deallocate(seq)
+    # a running request holds the prefix, another fills the cache; a longer prompt with the same prefix waits
+    bm = BlockManager(num_blocks, BLOCK_SIZE)
+    cache_prefix(bm, cached)
+    assert bm.allocate(Sequence([0] * ((bm.num_free_blocks - 8) * BLOCK_SIZE)))
+    waiting = Sequence(cached[:PREFIX] + prompt(PREFIX + 1))
+    for _ in range(repeat):
+        fits, seconds = timed_allocate(bm, waiting)
+        assert not fits
+        retry.append(seconds)
+    return {"hit": median_ms(hit), "miss": median_ms(miss), "retry": median_ms(retry)}
+
+
+class CountingTokenizer:
+    """The tokenizer, counting its decode calls."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decodes = tokenizer, 0
+
+    def decode(self, *args, **kwargs):
+        self.decodes += 1
+        return self.tokenizer.decode(*args, **kwargs)
+
+
+def handle_row(tokenizer, how: str, num_tokens: int, rng: random.Random) -> dict:
+    """Per token: seconds on the loop thread, seconds in the reader, decodes (the last one's finish excluded)."""
+    counting = CountingTokenizer(tokenizer)
+    stop = ["never there"] if how == "stop string" else []
+    params = SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True, stop=stop)
+    seq = Sequence([rng.randrange(3, 500) for _ in range(200)], params)
+    loop = SimpleNamespace(need_progress=lambda: None)
+    handle = RequestHandle(loop, counting, threading.Lock(), seq, stream=True)
+    event_loop = None
+    if how == "asyncio listener":
+        event_loop = asyncio.new_event_loop()  # not running: its queue only collects what is sent
+        handle._add_listener((event_loop, asyncio.Queue()))
+    increments = iter(handle)
+    loop_seconds = reader_seconds = 0.0
+    for _ in range(num_tokens):
+        token_id = rng.randrange(3, 500)
+        seq.append_token(token_id)
+        start = time.perf_counter()
+        handle._on_token(token_id)
+        loop_seconds += time.perf_counter() - start
+        if how == "iterated":  # a reader that keeps up: it takes each increment as it comes
+            start = time.perf_counter()
+            next(increments)
+            reader_seconds += time.perf_counter() - start
+    decodes = counting.decodes
+    if how == "iterated at the end":  # a reader who comes once the request has finished reads it all
+        seq.finish_reason = "length"
+        handle._on_finish([])
+        start = time.perf_counter()
+        list(increments)
+        reader_seconds += time.perf_counter() - start
+    if event_loop is not None:
+        event_loop.close()
+    return {"loop": loop_seconds / num_tokens * 1e6, "reader": reader_seconds / num_tokens * 1e6,
+            "decodes": decodes / num_tokens}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--blocks", type=int, nargs="+", default=[4400, 131072])
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--tokens", type=int, default=2000)
+    args = parser.parse_args()
+    rng = random.Random(0)
+
+    print(f"BlockManager.allocate, {PREFIX + 1}-token prompt, blocks of {BLOCK_SIZE}, median of {args.repeat} (ms)")
+    print(f"{'blocks':>8} | {'prefix hit':>10} | {'miss':>8} | {'retry (no fit)':>14}")
+    for num_blocks in args.blocks:
+        row = allocate_row(num_blocks, args.repeat, rng)
+        print(f"{num_blocks:>8} | {row['hit']:>10.3f} | {row['miss']:>8.3f} | {row['retry']:>14.3f}")
+
+    tokenizer = AutoTokenizer.from_pretrained(default_checkpoint("tiny"))
+    print(f"\nsubmit handle, per token over {args.tokens} tokens (tiny tokenizer)")
+    print(f"{'read by':>22} | {'loop thread us':>14} | {'reader us':>9} | {'decodes/token':>13}")
+    for how in ("result() only", "iterated", "iterated at the end", "asyncio listener", "stop string"):
+        row = handle_row(tokenizer, how, args.tokens, rng)
+        print(f"{how:>22} | {row['loop']:>14.2f} | {row['reader']:>9.2f} | {row['decodes']:>13.2f}")
+
+
+if __name__ == "__main__":
+    main()
