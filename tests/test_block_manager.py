@@ -87,7 +87,7 @@ def test_cached_blocks_are_claimed_before_fresh_ones_evict_them():
     y = Sequence([7, 7, 7, 7])
     bm.allocate(y)
     bm.deallocate(y)
-    assert bm.free_block_ids[0] == 0  # the cached block is the next one a fresh allocation would take
+    assert next(iter(bm.free_block_ids)) == 0  # the cached block is the next one a fresh allocation would take
     b = Sequence([0, 1, 2, 3, 50, 51, 52, 53])
     assert bm.allocate(b)
     assert b.num_cached_tokens == 4 and b.block_table == [0, 1]
@@ -132,3 +132,25 @@ def test_a_cached_block_is_reused_only_after_the_same_prefix():
     seq = Sequence(x + y + [0])
     assert bm.allocate(seq)
     assert seq.num_cached_tokens == BS  # x only: this y follows x, so its KV differs from the cached one
+
+
+def test_each_block_of_a_sequence_is_hashed_once(monkeypatch):
+    hashed = []
+    monkeypatch.setattr("nanovllm.engine.block_manager.compute_hash",
+                        lambda token_ids, prefix=-1: hashed.append(token_ids) or compute_hash(token_ids, prefix))
+    bm = BlockManager(10, BS)
+    holder = Sequence(list(range(17)))
+    bm.allocate(holder)
+    computed(bm, holder)
+    assert len(hashed) == 4
+    bm.allocate(Sequence([50, 51]))  # leaves 4 blocks free
+    waiting = Sequence(list(range(16)) + list(range(100, 117)))  # the same 4 blocks, then 5 of its own
+    for _ in range(10):  # a waiting prompt is retried at every step until it fits
+        assert not bm.allocate(waiting)
+    assert len(hashed) == 4 + 5  # its 4 hits and its first miss, once
+    bm.deallocate(holder)
+    assert bm.allocate(waiting) and waiting.num_cached_tokens == 16
+    computed(bm, waiting)
+    bm.deallocate(waiting)  # preempted: it comes back with the same history
+    assert bm.allocate(waiting) and waiting.num_computed_tokens == 32
+    assert len(hashed) == 4 + 8  # its other full blocks, once, when their KV was computed

@@ -4,8 +4,12 @@ A full block is identified by a chained xxhash of its tokens and the hash of the
 hashes mean equal prefixes. A block is hashed only once its KV has been computed (never on allocation), so
 a hit always finds finished KV, also across chunked prefills. A freed block keeps its hash until it is
 reused: a later request with the same prefix can still claim it.
+
+Every call costs in proportion to the blocks it hands out or hashes, never to the size of the cache or to
+how often a request was tried: the free list is an ordered set (a hit takes its blocks out of the middle in
+O(1)), and a sequence keeps the hashes of its full blocks (a waiting prompt is retried at every step).
 """
-from collections import deque
+from collections import OrderedDict
 
 import numpy as np
 import xxhash
@@ -37,7 +41,8 @@ class BlockManager:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # in eviction order: fresh blocks are taken from the front, freed ones join at the back
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,18 +50,25 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix, leaving at least one token to compute."""
-        block_ids, h = [], -1
+        block_ids = []
         for i in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self.hash_to_block_id.get(self._block_hash(seq, i), -1)
             token_ids = seq.block(i, self.block_size)
-            h = compute_hash(token_ids, h)
-            block_id = self.hash_to_block_id.get(h, -1)
             if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
                 break
             block_ids.append(block_id)
         return block_ids
 
+    def _block_hash(self, seq: Sequence, i: int) -> int:
+        """The chained hash of the sequence's block i (full), computed once per sequence: tokens are only
+        ever appended, so a full block's tokens, and the hash of every full block before it, never change."""
+        hashes = seq.block_hashes
+        while len(hashes) <= i:
+            hashes.append(compute_hash(seq.block(len(hashes), self.block_size), hashes[-1] if hashes else -1))
+        return hashes[i]
+
     def _take_free_block(self) -> int:
-        block = self.blocks[self.free_block_ids.popleft()]
+        block = self.blocks[self.free_block_ids.popitem(last=False)[0]]
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]
         block.hash, block.token_ids, block.ref_count = -1, [], 1
@@ -72,7 +84,7 @@ class BlockManager:
         for block_id in cached:  # claim cached blocks before taking fresh ones, which could evict them
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                self.free_block_ids.remove(block_id)
+                del self.free_block_ids[block_id]
             block.ref_count += 1
         fresh = [self._take_free_block() for _ in range(seq.num_blocks(self.block_size) - len(cached))]
         seq.block_table = cached + fresh
@@ -86,7 +98,7 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_block_ids.append(block_id)
+                self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -108,7 +120,6 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash != -1:
                 continue
-            prefix = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
             block.token_ids = seq.block(i, self.block_size)
-            block.hash = compute_hash(block.token_ids, prefix)
+            block.hash = self._block_hash(seq, i)
             self.hash_to_block_id[block.hash] = block.block_id

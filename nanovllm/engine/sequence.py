@@ -25,7 +25,7 @@ class SequenceStatus(Enum):
 class Sequence:
     __slots__ = (
         "seq_id", "status", "token_ids", "token_offset", "last_token", "num_tokens", "num_prompt_tokens",
-        "num_computed_tokens", "num_cached_tokens", "num_scheduled_tokens", "block_table",
+        "num_computed_tokens", "num_cached_tokens", "num_scheduled_tokens", "block_table", "block_hashes",
         "params", "plain_sampling", "finish_reason", "stop_reason", "logprobs", "pending_row",
     )
     counter = count()
@@ -42,6 +42,7 @@ class Sequence:
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache at first admission
         self.num_scheduled_tokens = 0  # tokens this step computes
         self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of its first full blocks (the block manager's)
         self.params = sampling_params  # only rank 0 samples: the workers' copies go without it
         self.plain_sampling = sampling_params.is_plain  # read every step: cached
         self.finish_reason: str | None = None
