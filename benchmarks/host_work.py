@@ -7,6 +7,8 @@ item 4), timed on CPU:
     iterates it, with the number of tokenizer decodes per token.
 
     python benchmarks/host_work.py [--blocks 4400 131072] [--repeat 50] [--tokens 2000]
+
+(Run it from the repository root with PYTHONPATH=. to time this checkout rather than an installed copy.)
 """
 import argparse
 import asyncio
@@ -133,7 +135,8 @@ def main():
     args = parser.parse_args()
     rng = random.Random(0)
 
-    print(f"BlockManager.allocate, {PREFIX + 1}-token prompt, blocks of {BLOCK_SIZE}, median of {args.repeat} (ms)")
+    print(f"BlockManager.allocate, {PREFIX + 1}-token prompt, blocks of {BLOCK_SIZE}, "
+          f"median of {args.repeat} (ms)")
     print(f"{'blocks':>8} | {'prefix hit':>10} | {'miss':>8} | {'retry (no fit)':>14}")
     for num_blocks in args.blocks:
         row = allocate_row(num_blocks, args.repeat, rng)

@@ -1,9 +1,10 @@
-"""The online API: the engine's loop thread, request handles, and incremental detokenization for streams
-and stop strings.
+"""The online API: the engine's loop thread and request handles (their increments, and stop strings).
 
 A handle is filled by whoever steps the engine (its loop thread, or a caller of `step()`) and read by any
 thread (iteration, `result()`) or by asyncio (`LLM.stream`). Nobody waits on a reader: each handle keeps its
-own increments, so a slow consumer of one stream does not stall the others.
+own increments, so a slow consumer of one stream does not stall the others. The text of an increment is made
+when it is read, by its reader, so that the loop thread detokenizes only for asyncio listeners and stop
+strings.
 
 Lifecycle guarantees: every handle finishes exactly once, with an output or an error. When a step raises, the
 requests in flight fail with its error and the engine serves the next ones; when the loop thread itself stops
@@ -14,49 +15,8 @@ import asyncio
 import threading
 import weakref
 
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.sequence import Sequence
-
-
-class IncrementalDetokenizer:
-    """The text of a growing list of token ids, a piece at a time: never half of a multi-byte character, and
-    the pieces concatenate to `tokenizer.decode(token_ids)`.
-
-    Each new piece is the difference between decoding the tokens since `prefix_offset` with and without the
-    newest ones, so a tokenizer that treats the first token of a decode specially sees the same context twice.
-    A piece that ends in U+FFFD (an incomplete UTF-8 sequence) is held back until more tokens complete it.
-    """
-
-    def __init__(self, tokenizer, lock: threading.Lock, skip_special_tokens: bool = False):
-        self.tokenizer, self.lock, self.skip_special_tokens = tokenizer, lock, skip_special_tokens
-        self.token_ids: list[int] = []
-        self.prefix_offset = self.read_offset = 0
-        self.text = ""  # the pieces so far
-        self.searched = 0  # stop strings have been looked for in text[:searched]
-
-    def _decode(self, token_ids: list[int]) -> str:
-        with self.lock:
-            return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, token_ids: list[int]) -> str:
-        self.token_ids.extend(token_ids)
-        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        piece = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.text += piece
-        return piece
-
-    def find_stop(self, stops: list[str]) -> tuple[str, int] | None:
-        """The earliest stop string that ends in the text added since the last call, and where it starts.
-
-        Each stop string is looked for from its own length back before the new text, so an occurrence that
-        ended in text searched earlier is never found again."""
-        searched, self.searched = self.searched, len(self.text)
-        hits = [(index, stop) for stop in stops
-                if (index := self.text.find(stop, max(searched - len(stop) + 1, 0))) >= 0]
-        return min(hits)[::-1] if hits else None
 
 
 class RequestHandle:
@@ -67,6 +27,11 @@ class RequestHandle:
     `add_request`) yields a single increment, the whole completion, when it finishes. Every iteration replays
     the increments from the first, so a handle can be iterated again, or by two threads. The handle also finds
     stop strings, which need the text.
+
+    Increments are made when someone reads them, so a handle read only through `result()` costs no
+    detokenization per token: the engine notes each sampled token, and a reader (or, for an asyncio listener,
+    which cannot ask, the engine at once) turns the tokens noted since the last increment into one increment.
+    A reader that keeps up gets one increment per token; one that comes late gets the tokens it missed in one.
     """
 
     def __init__(self, loop: "EngineLoop", tokenizer, tokenizer_lock: threading.Lock, seq: Sequence,
@@ -81,8 +46,10 @@ class RequestHandle:
         self._streamed = 0  # characters of text sent in increments
         # a stream holds back what may yet turn out to be the start of a stop string
         self._holdback = max(map(len, params.stop), default=1) - 1
-        self._increments: list = []  # every increment so far (and a final error, if any)
-        self._changed = threading.Condition()  # guards _increments, _listeners and the finish
+        self._increments: list = []  # every increment made so far (and a final error, if any)
+        self._unread: list[int] = []  # tokens sampled since the last increment was made
+        self._last = None  # once finished: the output (or error) whose increment is not made yet
+        self._changed = threading.Condition()  # guards the increments, what is not in them yet, and the finish
         self._listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
         self._done = threading.Event()
         self._output: dict | None = None
@@ -117,7 +84,8 @@ class RequestHandle:
         while True:
             with self._changed:
                 while index == len(self._increments):
-                    self._changed.wait()
+                    if not self._make_increments():
+                        self._changed.wait()
                 item = self._increments[index]
             index += 1
             if isinstance(item, BaseException):
@@ -128,6 +96,7 @@ class RequestHandle:
 
     def _add_listener(self, listener: tuple[asyncio.AbstractEventLoop, asyncio.Queue]):
         with self._changed:
+            self._make_increments()
             self._listeners.append(listener)
             for item in self._increments:  # whatever came before the listener
                 listener[0].call_soon_threadsafe(listener[1].put_nowait, item)
@@ -137,26 +106,55 @@ class RequestHandle:
             if listener in self._listeners:
                 self._listeners.remove(listener)
 
-    def _put(self, item, last: bool = False, output: dict | None = None) -> bool:
-        """Record an increment (or an error) and wake every reader; the last one finishes the handle with
-        `output` (or the error). False, and nothing changes, once the handle has finished."""
+    def _make_increments(self) -> bool:
+        """Turn the tokens sampled since the last increment into one, or, once finished, into the last one
+        (whose text is the rest of the output's); True when it made any. Called under `_changed`, by a reader
+        or, for listeners, by whoever steps."""
+        last, self._last = self._last, None
+        finished = last is not None and not isinstance(last, BaseException)
+        made = last is not None
+        if self._unread and not finished:
+            detokenizer = self._detokenizer
+            if not self.seq.params.stop:  # else the text is there already: stop strings needed it at once
+                detokenizer.push(self._unread)
+            end = max(len(detokenizer.text) - self._holdback, self._streamed)
+            self._record({"token_ids": self._unread, "text": detokenizer.text[self._streamed:end],
+                          "finished": False})
+            self._unread, self._streamed, made = [], end, True
+        if finished:
+            last_token_ids, output = last
+            self._record({"token_ids": self._unread + last_token_ids, "text": output["text"][self._streamed:],
+                          "finished": True, "finish_reason": output["finish_reason"],
+                          "stop_reason": output["stop_reason"]})
+            self._unread = []
+        elif last is not None:
+            self._record(last)
+        if made:
+            self._changed.notify_all()
+        return made
+
+    def _record(self, item):
+        self._increments.append(item)
+        for listener in list(self._listeners):
+            loop, queue = listener
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # its event loop has closed: nobody can read it any more
+                self._listeners.remove(listener)
+
+    def _finish(self, last, output: dict | None = None):
+        """Finish with `output` (`last`: the ids of its last increment and the output) or an error (`last`);
+        nothing changes once the handle has finished."""
         with self._changed:
             if self._done.is_set():
-                return False
-            if last:
-                self._output = output
-                self._error = item if isinstance(item, BaseException) else None
-            self._increments.append(item)
-            for listener in list(self._listeners):
-                loop, queue = listener
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-                except RuntimeError:  # its event loop has closed: nobody can read it any more
-                    self._listeners.remove(listener)
-            if last:
-                self._done.set()
+                return
+            self._output = output
+            self._error = last if isinstance(last, BaseException) else None
+            self._last = last
+            self._done.set()
+            if self._listeners:
+                self._make_increments()
             self._changed.notify_all()
-        return True
 
     # ---- called by whoever steps the engine ---------------------------------------------------------
     def _on_token(self, token_id: int) -> bool:
@@ -164,17 +162,20 @@ class RequestHandle:
         seq, detokenizer = self.seq, self._detokenizer
         if detokenizer is None or seq.finish_reason == "stop":  # a stop token's text is not part of the output
             return False
-        detokenizer.push([token_id])
-        if seq.params.stop:
-            hit = detokenizer.find_stop(seq.params.stop)
-            if hit is not None and seq.num_completion_tokens >= seq.params.min_tokens:
-                seq.stop_reason, end = hit
-                detokenizer.text = detokenizer.text[:end]
-                return True
-        if self._stream and not seq.is_finished:
-            end = max(len(detokenizer.text) - self._holdback, self._streamed)
-            text, self._streamed = detokenizer.text[self._streamed:end], end
-            self._put({"token_ids": [token_id], "text": text, "finished": False})
+        with self._changed:  # a reader never sees text that a stop string will cut
+            if seq.params.stop:
+                detokenizer.push([token_id])
+                hit = detokenizer.find_stop(seq.params.stop)
+                if hit is not None and seq.num_completion_tokens >= seq.params.min_tokens:
+                    seq.stop_reason, end = hit
+                    detokenizer.text = detokenizer.text[:end]
+                    return True
+            if self._stream and not seq.is_finished and not self._done.is_set():
+                self._unread.append(token_id)
+                if self._listeners:
+                    self._make_increments()
+                else:
+                    self._changed.notify_all()
         return False
 
     def _on_finish(self, last_token_ids: list[int]):
@@ -183,9 +184,7 @@ class RequestHandle:
         output = self._make_output()
         if not self._stream:  # the one increment of a handle nobody streamed: the whole completion
             last_token_ids = output["token_ids"]
-        self._put({"token_ids": last_token_ids, "text": output["text"][self._streamed:], "finished": True,
-                   "finish_reason": output["finish_reason"], "stop_reason": output["stop_reason"]},
-                  last=True, output=output)
+        self._finish((last_token_ids, output), output)
 
     def _make_output(self) -> dict:
         seq = self.seq
@@ -206,7 +205,7 @@ class RequestHandle:
         }
 
     def _on_error(self, error: BaseException):
-        self._put(error, last=True)
+        self._finish(error)
 
 
 class EngineLoop:

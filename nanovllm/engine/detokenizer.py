@@ -1,0 +1,44 @@
+"""Incremental detokenization: the text of a growing list of token ids, for streams and stop strings."""
+import threading
+
+
+class IncrementalDetokenizer:
+    """The text of a growing list of token ids, a piece at a time: never half of a multi-byte character, and
+    the pieces concatenate to `tokenizer.decode(token_ids)`.
+
+    Each new piece is the difference between decoding the tokens since `prefix_offset` with and without the
+    newest ones, so a tokenizer that treats the first token of a decode specially sees the same context twice.
+    A piece that ends in U+FFFD (an incomplete UTF-8 sequence) is held back until more tokens complete it.
+    """
+
+    def __init__(self, tokenizer, lock: threading.Lock, skip_special_tokens: bool = False):
+        self.tokenizer, self.lock, self.skip_special_tokens = tokenizer, lock, skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""  # the pieces so far
+        self.searched = 0  # stop strings have been looked for in text[:searched]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        with self.lock:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_ids: list[int]) -> str:
+        self.token_ids.extend(token_ids)
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        piece = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += piece
+        return piece
+
+    def find_stop(self, stops: list[str]) -> tuple[str, int] | None:
+        """The earliest stop string that ends in the text added since the last call, and where it starts.
+
+        Each stop string is looked for from its own length back before the new text, so an occurrence that
+        ended in text searched earlier is never found again."""
+        searched, self.searched = self.searched, len(self.text)
+        hits = [(index, stop) for stop in stops
+                if (index := self.text.find(stop, max(searched - len(stop) + 1, 0))) >= 0]
+        return min(hits)[::-1] if hits else None

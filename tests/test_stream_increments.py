@@ -1,0 +1,151 @@
+"""A request handle's increments, without an engine: text is made only when something reads it (a reader, an
+asyncio listener, or stop strings), and whenever a reader comes, what it gets adds up to the output."""
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings, strategies as st
+from transformers import AutoTokenizer
+
+from nanovllm import SamplingParams
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.request import RequestHandle
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+PROMPT = [5, 6, 7]
+# the tiny byte-level vocabulary: single bytes (parts of multi-byte characters, invalid UTF-8) and merges
+TOKENS = st.lists(st.integers(3, 511), min_size=1, max_size=30)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+class CountingTokenizer:
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decodes = tokenizer, 0
+
+    def decode(self, *args, **kwargs):
+        self.decodes += 1
+        return self.tokenizer.decode(*args, **kwargs)
+
+
+def make_handle(tokenizer, stop: list[str] = (), stream: bool = True) -> RequestHandle:
+    seq = Sequence(PROMPT, SamplingParams(max_tokens=1000, ignore_eos=True, stop=list(stop)))
+    return RequestHandle(SimpleNamespace(need_progress=lambda: None), tokenizer, threading.Lock(), seq, stream)
+
+
+def sample(handle: RequestHandle, token_id: int, last: bool = False) -> bool:
+    """What a step does with a sampled token: append it (the last one finishes the sequence), tell the
+    handle; True when a stop string ended the request, which is then finished."""
+    seq = handle.seq
+    seq.append_token(token_id)
+    if last:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+    stopped = handle._on_token(token_id)
+    if stopped:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
+    if last or stopped:
+        handle._on_finish([token_id])
+    return stopped
+
+
+def next_within(increments, seconds: float = 5):
+    """next(increments), failing instead of hanging when no increment comes."""
+    box = []
+    reader = threading.Thread(target=lambda: box.append(next(increments)), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    assert box, "no increment came"
+    return box[0]
+
+
+def test_a_handle_read_only_through_result_decodes_once(tokenizer):
+    counting = CountingTokenizer(tokenizer)
+    handle = make_handle(counting)
+    token_ids = list(range(100, 160))
+    for i, token_id in enumerate(token_ids):
+        sample(handle, token_id, last=i == len(token_ids) - 1)
+    assert counting.decodes == 1  # the output's text, at the end
+    assert handle.result(timeout=0)["text"] == tokenizer.decode(token_ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(token_ids=TOKENS)
+def test_a_reader_that_keeps_up_gets_one_increment_per_token(tokenizer, token_ids):
+    handle = make_handle(tokenizer)
+    reference = IncrementalDetokenizer(tokenizer, threading.Lock())  # what each token's increment held
+    increments, expected = iter(handle), []
+    for token_id in token_ids[:-1]:
+        sample(handle, token_id)
+        expected.append({"token_ids": [token_id], "text": reference.push([token_id]), "finished": False})
+        assert next_within(increments) == expected[-1]
+    sample(handle, token_ids[-1], last=True)
+    expected.append({"token_ids": token_ids[-1:], "text": tokenizer.decode(token_ids)[len(reference.text):],
+                     "finished": True, "finish_reason": "length", "stop_reason": None})
+    assert next_within(increments) == expected[-1]
+    assert list(handle) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(token_ids=TOKENS, data=st.data(), stop=st.sampled_from([[], ["a"], ["bc", "\u00e9"]]))
+def test_a_late_reader_gets_what_it_missed_in_one_increment(tokenizer, token_ids, data, stop):
+    counting = CountingTokenizer(tokenizer)
+    handle = make_handle(counting, stop)
+    increments, seen, read_from = iter(handle), [], 0
+    for i, token_id in enumerate(token_ids):
+        last = i == len(token_ids) - 1
+        decodes = counting.decodes
+        stopped = sample(handle, token_id, last)
+        if not stop and not stopped and not last:
+            assert counting.decodes == decodes  # nobody has asked for text yet
+        if stopped or last:
+            break
+        if data.draw(st.booleans()):  # the reader looks now: everything since it last looked, at once
+            seen.append(next_within(increments))
+            assert seen[-1]["token_ids"] == handle.seq.completion_token_ids[read_from:]
+            read_from = handle.seq.num_completion_tokens
+    seen += list(increments)
+    out = handle.result(timeout=0)
+    assert seen[-1]["finished"] and not any(i["finished"] for i in seen[:-1])
+    assert sum((i["token_ids"] for i in seen), []) == out["token_ids"]
+    assert "".join(i["text"] for i in seen) == out["text"]
+    for s in stop:  # held back until it was sure not to be part of a stop string
+        assert s not in out["text"]
+    assert list(handle) == seen  # a second reading replays the same increments
+
+
+def test_a_listener_gets_each_increment_as_it_is_made(tokenizer):
+    counting = CountingTokenizer(tokenizer)
+    handle = make_handle(counting)
+    event_loop = asyncio.new_event_loop()  # not running: its queue collects what is sent to it
+    queue = asyncio.Queue()
+    try:
+        sample(handle, 100)
+        handle._add_listener((event_loop, queue))  # it gets what came before it too
+        for token_id in (101, 102):
+            sample(handle, token_id)
+        sample(handle, 103, last=True)
+        event_loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        event_loop.close()
+    items = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert [i["token_ids"] for i in items] == [[100], [101], [102], [103]]
+    assert counting.decodes == 3 * 2 + 1  # each increment's text as it came, and the output's
+    assert "".join(i["text"] for i in items) == tokenizer.decode([100, 101, 102, 103])
+
+
+def test_an_error_follows_the_unread_increments(tokenizer):
+    handle = make_handle(tokenizer)
+    sample(handle, 100)
+    sample(handle, 101)
+    handle._on_error(RuntimeError("injected"))
+    increments = iter(handle)
+    assert next_within(increments)["token_ids"] == [100, 101]
+    with pytest.raises(RuntimeError, match="injected"):
+        next(increments)
+    with pytest.raises(RuntimeError, match="injected"):
+        handle.result(timeout=0)
