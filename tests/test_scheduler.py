@@ -172,3 +172,14 @@ def test_a_step_hashes_only_the_blocks_it_filled(tiny_model):
     s.launched([a])
     s.complete(sampled, filled, [])  # the first step's blocks are gone: nothing of it may be hashed
     assert s.block_manager.hash_to_block_id == {}
+
+
+def test_a_decode_step_keeps_to_the_token_budget(tiny_model):
+    s = make_scheduler(tiny_model, num_kvcache_blocks=16, max_num_batched_tokens=8)
+    seqs = [Sequence([9] * 4) for _ in range(3)]
+    for seq in seqs:
+        s.add(seq)
+    assert step(s)[0] == {seqs[0].seq_id: 4, seqs[1].seq_id: 4}  # the third prompt does not fit the budget
+    assert step(s)[0] == {seqs[2].seq_id: 4}
+    s.max_num_batched_tokens = 2
+    assert len(step(s)[0]) == 2  # three sequences decode, two at a time
