@@ -1,6 +1,5 @@
 """Helpers for the batch runner's tests: request lines, reading results, and running with a deadline."""
 import json
-import threading
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -35,22 +34,3 @@ def read_results(path) -> dict:
 
 def choices(result: dict) -> list[dict]:
     return result["response"]["body"]["choices"]
-
-
-def with_deadline(seconds: float, fn, *args, **kwargs):
-    """fn(*args, **kwargs) on a thread; fails the test instead of hanging it when fn blocks."""
-    box = {}
-
-    def target():
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as e:
-            box["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {seconds} s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]

@@ -1,5 +1,6 @@
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,23 @@ def assert_greedy_matches_hf(hf_model, prompt_ids: list[int], output_ids: list[i
     picked = logits.gather(1, torch.tensor(output_ids)[:, None])[:, 0]
     gap = logits.max(dim=1).values - picked
     assert gap.max().item() <= atol, f"token {gap.argmax().item()} is {gap.max().item():.2e} below HF's argmax"
+
+
+def within(seconds: float, fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a thread: its result or its exception, or a failure (not a hang) if it is still
+    blocked after `seconds`."""
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = fn(*args, **kwargs)
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {seconds} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

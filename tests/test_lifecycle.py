@@ -12,6 +12,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.step_output import StepOutput
+from tests.conftest import within
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)  # runs for over 10 s on the tiny model
@@ -23,25 +24,6 @@ PROMPT = [5, 6, 7]
 def llm(tiny_model):
     with LLM(tiny_model, kvcache_block_size=16) as engine:
         yield engine
-
-
-def within(seconds: float, fn, *args, **kwargs):
-    """fn(*args, **kwargs) in a thread: its result or its exception, or a failure if it is still blocked."""
-    outcome = {}
-
-    def target():
-        try:
-            outcome["value"] = fn(*args, **kwargs)
-        except BaseException as e:
-            outcome["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {seconds} s"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 def wait_until(condition, seconds: float = 30):

@@ -11,7 +11,8 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.run_batch import main
-from tests.batch_util import CHAT, choices, read_results, request, with_deadline, write_lines
+from tests.batch_util import CHAT, choices, read_results, request, write_lines
+from tests.conftest import within
 
 ray = pytest.importorskip("ray")  # the test extra has it; the GPU machine does not
 
@@ -34,7 +35,7 @@ def test_two_replicas_equal_one_engine(ray_cluster, llm, tiny_model):
              {"id": 8, "prompt": "word " * 200, "messages": None, "sampling_params": None},  # too long: an error
              {"id": 9, "prompt": None, "messages": None, "sampling_params": None}]  # nothing to serve: an error
     dataset = ray.data.from_items(rows)
-    out = with_deadline(300, lambda: generate(dataset, tiny_model, GREEDY, concurrency=2, batch_size=3,
+    out = within(300, lambda: generate(dataset, tiny_model, GREEDY, concurrency=2, batch_size=3,
                                               **ENGINE_ARGS).take_all())
     got = {row["id"]: row for row in out}
     assert sorted(got) == list(range(10))
@@ -58,7 +59,7 @@ def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(ray_cluster, ll
               "not json", request("r1", prompt="duplicate"), request("long", prompt=list(range(3, 200)))]
     inp = write_lines(tmp_path / "in.jsonl", lines)
     flags = ["--model", tiny_model, "--no-progress", "--kvcache-block-size", "16", "--max-model-len", "128"]
-    assert with_deadline(120, main, ["-i", inp, "-o", str(tmp_path / "one.jsonl"), *flags], llm=llm) == 1
+    assert within(120, main, ["-i", inp, "-o", str(tmp_path / "one.jsonl"), *flags], llm=llm) == 1
     one = read_results(tmp_path / "one.jsonl")
     # a first data-parallel run that was killed after three results, the last one torn; the bad lines are
     # left for this run to report
@@ -68,7 +69,7 @@ def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(ray_cluster, ll
     argv = ["-i", inp, "-o", str(tmp_path / "dp.jsonl"), *flags, "--data-parallel-size", "2", "--max-in-flight", "4"]
     blocks, from_arrow_refs = [], ray.data.from_arrow_refs
     monkeypatch.setattr(ray.data, "from_arrow_refs", lambda refs: blocks.append(len(refs)) or from_arrow_refs(refs))
-    assert with_deadline(300, main, argv) == 1
+    assert within(300, main, argv) == 1
     # 6 requests left (5 to serve, 1 too long, which only an engine measures), a block per batch of 2: Ray Data
     # gives a whole block to one replica, so one block would leave the other replica idle
     assert blocks == [3]
@@ -132,7 +133,7 @@ def test_a_cluster_without_the_resources_fails_instead_of_waiting(ray_cluster, t
     inp = write_lines(tmp_path / "in.jsonl", [request("a", prompt="x", max_tokens=2)])
     argv = ["-i", inp, "-o", str(tmp_path / "out"), "--model", tiny_model, "--no-progress", "--device", "cuda",
             "--data-parallel-size", "2", "--ray-start-timeout", "3"]
-    assert with_deadline(120, main, argv) == 3  # this cluster has no GPU (num_gpus=0)
+    assert within(120, main, argv) == 3  # this cluster has no GPU (num_gpus=0)
     assert "Timed out while starting actors" in capsys.readouterr().err
 
 

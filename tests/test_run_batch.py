@@ -12,7 +12,8 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.run_batch import build_parser, main
-from tests.batch_util import CHAT, COMPLETIONS, choices, read_results, request, with_deadline, write_lines
+from tests.batch_util import CHAT, COMPLETIONS, choices, read_results, request, write_lines
+from tests.conftest import within
 
 MAX_MODEL_LEN = 128
 
@@ -25,7 +26,7 @@ def llm(tiny_model):
 
 def run(llm, model, input_path, output_path, *flags) -> int:
     argv = ["-i", str(input_path), "-o", str(output_path), "--model", model, "--no-progress", *flags]
-    return with_deadline(120, main, argv, llm=llm)
+    return within(120, main, argv, llm=llm)
 
 
 def test_results_equal_generate_and_chat(llm, tiny_model, tmp_path):

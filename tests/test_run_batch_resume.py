@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.run_batch import main
-from tests.batch_util import choices, read_results, request, with_deadline, write_lines
+from tests.batch_util import choices, read_results, request, write_lines
+from tests.conftest import within
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FLAGS = ["--kvcache-block-size", "16", "--max-num-seqs", "2"]
@@ -62,7 +63,7 @@ def test_killed_part_way_then_run_again(llm, tiny_model, tmp_path, sig, status):
     keys = [r["custom_id"] or r["id"] for r in partial]
     assert len(keys) == len(set(keys)) and 5 <= len(keys) < 25, "the kill came too late to test anything"
 
-    assert with_deadline(120, main, ["-i", inp, "-o", str(out), "--model", tiny_model, "--no-progress"], llm=llm) == 1
+    assert within(120, main, ["-i", inp, "-o", str(out), "--model", tiny_model, "--no-progress"], llm=llm) == 1
     results = read_results(out)  # no torn line, nothing twice
     assert sorted(results) == sorted([f"r{i}" for i in range(24)] + ["batch_req_line8"])
     assert results["batch_req_line8"]["error"]["code"] == "invalid_json"
@@ -120,7 +121,7 @@ def test_resume_after_any_kill_point(llm, tiny_model, reference, data):
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "out.jsonl"
         out.write_bytes(prefix + (order[kept][:torn] if torn else b""))
-        status = with_deadline(60, main, ["-i", inp, "-o", str(out), "--model", tiny_model, "--no-progress"], llm=llm)
+        status = within(60, main, ["-i", inp, "-o", str(out), "--model", tiny_model, "--no-progress"], llm=llm)
         assert status == 1  # the bad lines of the input failed, in this run or the one before
         assert out.read_bytes().startswith(prefix)
         results = read_results(out)

@@ -28,14 +28,7 @@ import torch
 from nanovllm.layers import triton_kvstore
 from nanovllm.layers.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as e:  # no Triton, or one that cannot initialise here
-    triton = tl = None
-    _TRITON_ERROR: Exception | None = e
-else:
-    _TRITON_ERROR = None
+from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634

@@ -17,14 +17,7 @@ import torch
 
 from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as e:  # no Triton, or one that cannot initialise here (a CPU-only machine)
-    triton = tl = None
-    _TRITON_ERROR: Exception | None = e
-else:
-    _TRITON_ERROR = None
+from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton
 
 if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)

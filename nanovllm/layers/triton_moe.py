@@ -17,14 +17,7 @@ tests do this in float32: the interpreter's bfloat16 dot is not exact).
 """
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as e:  # no Triton, or one that cannot initialise here
-    triton = tl = None
-    _TRITON_ERROR: Exception | None = e
-else:
-    _TRITON_ERROR = None
+from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton
 
 if triton is not None:
     @triton.jit
