@@ -55,6 +55,19 @@ def hf_model(tiny_model):
     return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
 
 
+class OnCuda:
+    """An HF model on CUDA as assert_greedy_matches_hf calls it: CPU ids in, CPU float32 logits out."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, ids):
+        with torch.no_grad():
+            out = self.model(ids.cuda())
+        out.logits = out.logits.float().cpu()
+        return out
+
+
 def assert_greedy_matches_hf(hf_model, prompt_ids: list[int], output_ids: list[int], atol: float = 1e-4):
     """Teacher-forced check: each generated token is HF's argmax (within `atol`) given everything before it."""
     assert output_ids, "no tokens were generated"

@@ -7,7 +7,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import assert_greedy_matches_hf
+from tests.conftest import OnCuda, assert_greedy_matches_hf
 
 pytestmark = pytest.mark.gpu
 
@@ -83,20 +83,7 @@ def test_engine_matches_hf_bf16(qwen3_small, block_size):
         outputs = llm.generate(batch, greedy(24), use_tqdm=False)
     assert outputs[-1]["num_cached_tokens"] > 0
     for prompt, out in zip(batch, outputs):
-        assert_greedy_matches_hf(_CudaWrapper(hf), prompt, out["token_ids"], atol=0.15)
-
-
-class _CudaWrapper:
-    """Feeds the CPU-built ids of assert_greedy_matches_hf to a CUDA model and returns CPU logits."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, ids):
-        with torch.no_grad():
-            out = self.model(ids.cuda())
-        out.logits = out.logits.float().cpu()
-        return out
+        assert_greedy_matches_hf(OnCuda(hf), prompt, out["token_ids"], atol=0.15)
 
 
 def test_kv_cache_too_small_is_a_clear_error(qwen3_small):

@@ -9,7 +9,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import assert_greedy_matches_hf
+from tests.conftest import OnCuda, assert_greedy_matches_hf
 
 pytestmark = pytest.mark.gpu
 
@@ -40,17 +40,6 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-class _CudaWrapper:
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, ids):
-        with torch.no_grad():
-            out = self.model(ids.cuda())
-        out.logits = out.logits.float().cpu()
-        return out
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 def test_family_matches_hf_bf16(checkpoints, shape):
     from transformers import AutoModelForCausalLM
@@ -62,7 +51,7 @@ def test_family_matches_hf_bf16(checkpoints, shape):
         outputs = llm.generate(batch, greedy(16), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
     for prompt, out in zip(batch, outputs):
-        assert_greedy_matches_hf(_CudaWrapper(hf), prompt, out["token_ids"], atol=TOLERANCE.get(shape, 0.15))
+        assert_greedy_matches_hf(OnCuda(hf), prompt, out["token_ids"], atol=TOLERANCE.get(shape, 0.15))
     del hf
     torch.cuda.empty_cache()
 
