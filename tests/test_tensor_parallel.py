@@ -1,4 +1,5 @@
 """Tensor parallelism on CPU (gloo): TP=2 equals TP=1 and HF; engines, workers and shared memory are cleaned up."""
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -7,10 +8,13 @@ import time
 
 import pytest
 
+import nanovllm
 import nanovllm.engine.tp_channel as tp_channel
-from nanovllm import LLM, SamplingParams
+from nanovllm import SamplingParams
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import assert_greedy_matches_hf
+from tests.conftest import assert_greedy_matches_hf, within
+
+LLM = functools.partial(nanovllm.LLM, device="cpu")  # gloo, also on a machine with GPUs (their tests: test_gpu_*)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[7] * 3, list(range(3, 60)), list(range(100, 230)), list(range(3, 60)) + [9, 9]]
@@ -86,6 +90,59 @@ def test_message_buffer_grows(tiny_model, monkeypatch):
     assert our_shm_segments() == []
 
 
+def _slow_worker(name: str, semaphores, queue):
+    import random
+    tp_channel.dist.barrier = lambda: None  # one channel, no process group
+    channel, received = tp_channel.Channel(name, 1, semaphores), []
+    while True:
+        method_name, args = channel.receive()
+        if method_name == "exit":
+            break
+        received.append(args)
+        time.sleep(random.random() * 1e-3)  # still busy when rank 0 posts again
+    queue.put(received)
+    channel.close()
+
+
+def test_a_call_posted_while_a_worker_is_busy_waits_for_it(monkeypatch):
+    # with overlap scheduling rank 0 posts step N+1 while a worker may still be launching step N, and NCCL does
+    # not make rank 0 wait for the worker: the channel must not write over a call nobody has taken
+    monkeypatch.setattr(tp_channel.dist, "barrier", lambda: None)
+    ctx = mp.get_context("spawn")
+    semaphores, queue = tp_channel.channel_semaphores(ctx), ctx.Queue()
+    name = f"nanovllm-{os.getpid()}-test"
+    channel = tp_channel.Channel(name, 0, [semaphores])
+    worker = ctx.Process(target=_slow_worker, args=(name, [semaphores], queue))
+    worker.start()
+    sent = [[i, list(range(i % 50))] for i in range(300)]
+    for args in sent:
+        channel.post("run", *args)
+    channel.post("exit")
+    assert queue.get(timeout=60) == sent
+    worker.join(10)
+    channel.close()
+
+
+def test_a_post_to_a_worker_killed_while_it_waits_does_not_block(monkeypatch):
+    # (a multiprocessing Event's set() waits for every sleeper in wait() to wake: forever for a killed one)
+    monkeypatch.setattr(tp_channel.dist, "barrier", lambda: None)
+    ctx = mp.get_context("spawn")
+    semaphores, queue = tp_channel.channel_semaphores(ctx), ctx.Queue()
+    name = f"nanovllm-{os.getpid()}-test"
+    channel = tp_channel.Channel(name, 0, [semaphores])
+    worker = ctx.Process(target=_slow_worker, args=(name, [semaphores], queue))
+    worker.start()
+    channel.post("run", 1)
+    time.sleep(3)  # taken, and the worker asleep waiting for the next call
+    worker.kill()
+    worker.join(10)
+    within(5, channel.post, "run", 2)  # the buffer was taken: this post goes through
+    channel.abort()  # what the engine's watch does when it sees the worker gone: the next post raises
+    with pytest.raises(RuntimeError, match="worker is gone"):
+        within(5, channel.post, "run", 3)
+    channel.close()
+
+
 def test_killed_worker_is_an_error_not_a_hang(tiny_model):
     llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
     llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
@@ -155,6 +212,46 @@ def test_worker_killed_mid_generate_fails_it_within_5s(tiny_model, monkeypatch):
     assert time.monotonic() - killed < 5 and isinstance(outcome.get("error"), RuntimeError)
     # a killed worker's socket closes before the process is reaped: close() may still see it alive
     monkeypatch.setattr(llm.processes[0], "is_alive", lambda: True)
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 15
+    assert our_shm_segments() == []
+
+
+def test_a_step_stuck_in_a_collective_is_freed_when_a_worker_dies(tiny_model):
+    # NCCL's collectives do not fail when a peer dies (gloo's do): rank 0's step waits forever. Here the step
+    # waits on an Event that only the engine's watch over its workers can set, as it aborts NCCL's collectives.
+    llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
+    collectives_aborted, in_step = threading.Event(), threading.Event()
+    llm._watch.abort_collectives = collectives_aborted.set
+    run = llm.model_runner.run
+
+    def stuck_run(seqs):
+        if len(seqs[0]) > len(PROMPTS[0]) + 5:  # decoding for a while: stick
+            in_step.set()
+            collectives_aborted.wait()
+        return run(seqs)
+
+    llm.model_runner.run = stuck_run
+    outcome = {}
+
+    def generate():
+        try:
+            outcome["value"] = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    assert in_step.wait(60)
+    os.kill(llm.processes[0].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(5)
+    assert not thread.is_alive(), "generate still blocked 5 s after the worker died"
+    assert time.monotonic() - killed < 5 and collectives_aborted.is_set()
+    assert "worker rank 1" in str(outcome.get("error")) and "died" in str(outcome["error"])
+    with pytest.raises(RuntimeError, match="worker rank 1 .* died"):
+        llm.submit(PROMPTS[0])
     start = time.monotonic()
     llm.close()
     assert time.monotonic() - start < 15

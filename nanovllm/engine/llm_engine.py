@@ -9,6 +9,7 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass
+from multiprocessing import connection
 from time import perf_counter
 
 import numpy as np
@@ -24,6 +25,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_output import StepOutput
+from nanovllm.engine.tp_channel import channel_semaphores
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -38,7 +40,7 @@ class LLMEngine:
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads
         config.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.config = config
-        self.processes, self.events = [], []
+        self.processes, semaphores = [], []
         if config.tensor_parallel_size > 1 and dist.is_initialized():
             raise RuntimeError("another engine with tensor_parallel_size > 1 is running in this process; "
                                "close() it first (engines in separate processes can run at once)")
@@ -46,13 +48,13 @@ class LLMEngine:
         shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         ctx = mp.get_context("spawn")
         for rank in range(1, config.tensor_parallel_size):
-            event = ctx.Event()
-            process = ctx.Process(target=ModelRunner, args=(config, rank, event, dist_port, shm_name))
+            pair = channel_semaphores(ctx)
+            process = ctx.Process(target=ModelRunner, args=(config, rank, [pair], dist_port, shm_name))
             process.start()
             self.processes.append(process)
-            self.events.append(event)
+            semaphores.append(pair)
         try:
-            self.model_runner = ModelRunner(config, 0, self.events, dist_port, shm_name)
+            self.model_runner = ModelRunner(config, 0, semaphores, dist_port, shm_name)
         except BaseException:
             stop_workers(self.processes)
             raise
@@ -61,9 +63,11 @@ class LLMEngine:
         self._last_completed = 0.0
         self._throughput: dict[str, str] = {}
         self._loop = EngineLoop(self)
+        self._watch = WorkerWatch(self.processes, self._loop, self.model_runner.abort_collectives)
         # runs once: on close(), when the engine is garbage-collected, or at interpreter exit; it holds the
         # runner and the requests but not the engine, so a dropped engine frees its memory and workers
-        self._finalizer = weakref.finalize(self, shutdown, self._loop, self.model_runner, self.processes)
+        self._finalizer = weakref.finalize(self, shutdown, self._loop, self._watch, self.model_runner,
+                                           self.processes)
 
     def close(self):
         """Abort every request in flight (each finishes with finish_reason "abort" and the tokens it has, so
@@ -84,8 +88,7 @@ class LLMEngine:
         self._loop.check()
         for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive():
-                raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
-                                   f"{process.exitcode}; close this engine and start a new one")
+                raise worker_died(rank, process)
 
     # ---- requests ----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -244,6 +247,7 @@ class LLMEngine:
     def _complete(self, step: "Step") -> list[Sequence]:
         """Wait for a launched step's tokens, account for them, and tell the handles."""
         token_ids, logprobs = step.output.result()
+        self.check_workers()  # a worker that died during the step leaves garbage behind: no handle gets it
         # a step's time: since the step before it completed (steps overlap), or since its launch after a pause
         now = perf_counter()
         elapsed, self._last_completed = max(now - max(self._last_completed, step.launched_at), 1e-6), now
@@ -386,8 +390,47 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def shutdown(loop: EngineLoop, model_runner: ModelRunner, processes: list):
+class WorkerWatch:
+    """Rank 0's watch over the tensor-parallel workers. When one dies, a step may wait forever in a collective
+    (NCCL's kernels spin on the GPU for a peer that is gone, and the host waits on them): this thread fails
+    every request and later call at once, naming the worker, then aborts the collectives so that the stuck
+    step returns and `close()` can tear down."""
+
+    def __init__(self, processes: list, loop: EngineLoop, abort_collectives):
+        self.processes, self.loop, self.abort_collectives = processes, loop, abort_collectives
+        self._stop_reader, self._stop_writer = mp.get_context("spawn").Pipe(duplex=False)
+        self.thread = None
+        if processes:
+            self.thread = threading.Thread(target=self._run, daemon=True, name="nanovllm-worker-watch")
+            self.thread.start()
+
+    def _run(self):
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes, start=1)}
+        ready = connection.wait([*sentinels, self._stop_reader])
+        if self._stop_reader in ready:
+            return
+        rank = sentinels[ready[0]]
+        self.processes[rank - 1].join(1)  # reaped, so that its exit code is known
+        self.loop.fail(worker_died(rank, self.processes[rank - 1]))
+        self.abort_collectives()
+
+    def stop(self):
+        """Before the workers exit on purpose. (A watch that fired may be stuck in the abort: not waited for.)"""
+        if self.thread is not None:
+            self._stop_writer.send(None)
+            self.thread.join(1.0)
+        self._stop_reader.close()
+        self._stop_writer.close()
+
+
+def worker_died(rank: int, process) -> RuntimeError:
+    return RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
+                        f"{process.exitcode}; close this engine and start a new one")
+
+
+def shutdown(loop: EngineLoop, watch: WorkerWatch, model_runner: ModelRunner, processes: list):
     steps_stopped = loop.stop(CLOSE_TIMEOUT)  # every request in flight finishes now, as aborted
+    watch.stop()
     try:
         if steps_stopped and all(process.is_alive() for process in processes):
             try:

@@ -12,7 +12,7 @@ pending reads it from there.
 import logging
 import os
 from contextlib import contextmanager
-from multiprocessing.synchronize import Event
+from multiprocessing.synchronize import Semaphore
 
 import numpy as np
 import torch
@@ -49,8 +49,8 @@ def default_dtype(dtype: torch.dtype):
 
 class ModelRunner:
 
-    def __init__(self, config: Config, rank: int, event: Event | list[Event], dist_port: int = 0,
-                 shm_name: str = ""):
+    def __init__(self, config: Config, rank: int, semaphores: list[tuple[Semaphore, Semaphore]] = (),
+                 dist_port: int = 0, shm_name: str = ""):
         self.config = config
         self.rank = rank
         self.world_size = config.tensor_parallel_size
@@ -86,7 +86,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_model_len, self.block_size,
                                        self.device)
 
-        self.channel = Channel(shm_name, rank, event) if self.world_size > 1 else None
+        self.channel = Channel(shm_name, rank, semaphores) if self.world_size > 1 else None
         if self.world_size > 1 and rank:
             self.loop()
 
@@ -109,7 +109,10 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        if dist.is_initialized():
+        # with a worker gone, NCCL's kernels may wait for it until their communicator is aborted (the engine's
+        # watch does that): tearing down or waiting for the device could then hang, so this rank only lets go
+        stuck_device = self.device.type == "cuda" and not workers_alive
+        if dist.is_initialized() and not stuck_device:
             if workers_alive:
                 dist.barrier()
             dist.destroy_process_group()
@@ -117,9 +120,31 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = self.graphs = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not stuck_device:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+    def abort_collectives(self):
+        """From another thread, when a worker has died: a step waiting for the workers returns or raises (in an
+        NCCL collective: it returns, and its results are garbage; gloo's collectives fail on their own), and so
+        does every later one."""
+        channel = self.channel
+        if channel is not None:
+            channel.abort()
+        if self.config.device == "cuda" and dist.is_initialized():
+            dist.distributed_c10d._abort_process_group()
+
+    def describe(self) -> list[dict]:
+        """Every rank's device, captured decode graphs and channel traffic (rank 0 gathers them)."""
+        channel = self.channel
+        info = dict(rank=self.rank, device=str(self.device), graphs=self.graphs.batch_sizes if self.graphs else [],
+                    channel_calls=channel.num_calls if channel else 0,
+                    channel_seconds=channel.seconds if channel else 0.0)
+        if self.world_size == 1:
+            return [info]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, info)
+        return gathered
 
     def loop(self):
         while True:

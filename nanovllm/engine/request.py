@@ -225,7 +225,7 @@ class EngineLoop:
         self.step_lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.stopping = False
-        self.error: BaseException | None = None  # why the thread stopped, when it was not asked to
+        self.error: RuntimeError | None = None  # why the engine can take no more work, when not closed
 
     def post(self, kind: str, *handles: RequestHandle):
         """Queue new requests ("add") or aborts for whoever steps next; a closed or dead engine takes no
@@ -251,11 +251,10 @@ class EngineLoop:
 
     def check(self):
         """Raise when the engine can take no more work, naming why."""
-        if self.error is not None:
-            raise RuntimeError(f"the engine's loop thread stopped on an error: {self.error!r}; close this "
-                               "engine and start a new one") from self.error
         if self.stopping:
             raise RuntimeError("the engine is closed")
+        if self.error is not None:
+            raise RuntimeError(*self.error.args) from self.error.__cause__
 
     def start(self):
         """Start the thread once (it then sleeps whenever there is no work) and wake it."""
@@ -278,9 +277,19 @@ class EngineLoop:
                         if not self.inbox and not self.stopping:
                             self.cond.wait(timeout=1.0)
         except BaseException as error:  # a bug, not a failed step (those fail their requests): never silent
-            with self.cond:
-                self.error = error
-            self.finish_all(error=RuntimeError(f"the engine's loop thread stopped on an error: {error!r}"))
+            failure = RuntimeError(f"the engine's loop thread stopped on an error: {error!r}; close this engine "
+                                   "and start a new one")
+            failure.__cause__ = error
+            self.fail(failure)
+
+    def fail(self, error: RuntimeError):
+        """The engine cannot go on (its loop thread died, or a worker did): every request not yet finished
+        fails with `error`, and so does every later call. Safe from any thread, while a step runs too (each
+        handle finishes once)."""
+        with self.cond:
+            self.error = self.error or error
+            self.cond.notify()
+        self.finish_all(error=error)
 
     def finish_all(self, error: BaseException | None = None):
         """End every request not yet finished: with `error`, or else as aborted."""
