@@ -71,15 +71,28 @@ def main():
               "generate", flush=True)
         sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
+        ranks = llm.model_runner.call("describe")
         t = time.perf_counter()
         outputs = llm.generate(prompt_token_ids, sampling_params)  # a progress bar when stderr is a terminal
         elapsed = time.perf_counter() - t
         total_tokens = sum(len(o["token_ids"]) for o in outputs)
+        if args.tp > 1:
+            print_channel_cost(ranks, llm.model_runner.call("describe"))
     flags = "".join(f" ({f})" for f, on in (("eager", args.enforce_eager), ("prefill-first", args.prefill_first),
                                             ("no overlap", args.no_async_scheduling),
                                             ("dummy weights", load_format == "dummy")) if on)
     print(f"Engine: {args.engine}{flags} on {model} ({where}), Total: {total_tokens}tok, "
           f"Time: {elapsed:.2f}s, Throughput: {total_tokens / elapsed:.2f}tok/s")
+
+
+def print_channel_cost(before: list[dict], after: list[dict]):
+    """What the tensor-parallel channel cost per call (about one per step) during the timed run."""
+    for b, a in zip(before, after):
+        calls = a["channel_calls"] - b["channel_calls"]
+        per_call = (a["channel_seconds"] - b["channel_seconds"]) / max(calls, 1) * 1e6
+        what = "to post a call" if a["rank"] == 0 else "from post to the call in hand"
+        print(f"TP rank {a['rank']} ({a['device']}, {len(a['graphs'])} decode graphs): {calls} calls, "
+              f"{per_call:.0f} us/call {what}")
 
 
 def run_hf(path: str, prompt_token_ids: list[list[int]], output_len: int, batch_size: int,

@@ -1,0 +1,117 @@
+"""Tensor parallelism on several GPUs (NCCL): TP=n equals TP=1 at bf16 tolerance with CUDA graphs on every rank,
+a killed worker fails every waiting call within seconds and `close()` returns, two engines run at once in
+separate processes, and nothing is left in /dev/shm. Each TP size runs where the machine has that many GPUs."""
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from tests.conftest import OnCuda, assert_greedy_matches_hf
+from tests.test_gpu_engine import greedy, prompts
+
+pytestmark = pytest.mark.gpu
+TP_SIZES = [pytest.param(tp, marks=pytest.mark.skipif(torch.cuda.device_count() < tp, reason=f"needs {tp} GPUs"))
+            for tp in (2, 4, 8)]
+ENGINE = dict(max_model_len=1024, max_num_seqs=16)  # few graphs to capture: quick to start
+
+
+@pytest.fixture(scope="module")
+def qwen3_small(tmp_path_factory) -> str:
+    """Qwen3-0.6B's widths (8 KV heads: any TP size up to 8) with 4 layers."""
+    from nanovllm.utils.random_checkpoint import make_random_checkpoint
+    return str(make_random_checkpoint(tmp_path_factory.mktemp("qwen3-4l"), "qwen3-0.6b", num_hidden_layers=4))
+
+
+def shm_segments() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith("nanovllm-")]
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_tp_equals_tp1_with_graphs_on_every_rank(qwen3_small, tp):
+    from transformers import AutoModelForCausalLM
+    batch = prompts(16, seed=7, lo=20, hi=300)
+    with LLM(qwen3_small, **ENGINE) as llm:
+        expected = [o["token_ids"] for o in llm.generate(batch, greedy(32), use_tqdm=False)]
+    with LLM(qwen3_small, tensor_parallel_size=tp, **ENGINE) as llm:
+        ranks = llm.model_runner.call("describe")
+        got = [o["token_ids"] for o in llm.generate(batch, greedy(32), use_tqdm=False)]
+    assert [r["device"] for r in ranks] == [f"cuda:{rank}" for rank in range(tp)]
+    assert all(r["graphs"] == [1, 2, 4, 8, 16] for r in ranks), ranks
+    # another reduction order gives other bf16 bits, so sequences may part from TP=1 at a near tie: each token
+    # must be HF's argmax within bf16 tolerance, given what came before it
+    hf = OnCuda(AutoModelForCausalLM.from_pretrained(qwen3_small, dtype=torch.bfloat16,
+                                                     attn_implementation="sdpa").cuda())
+    for prompt, out in zip(batch, got):
+        assert_greedy_matches_hf(hf, prompt, out, atol=0.15)
+    same = sum(g == e for g, e in zip(got, expected))
+    print(f"TP={tp}: {same} of {len(batch)} sequences equal TP=1's token for token")
+    assert same >= len(batch) // 4  # most agree; a broken shard would agree with none
+    assert shm_segments() == []
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_killed_worker_fails_waiting_calls_within_seconds(qwen3_small, tp):
+    """Rank 0 waits in an NCCL collective (in a CUDA graph) for the dead peer: the engine's watch over its
+    workers fails the calls and aborts the collectives, then `close()` tears down, and the process can run a new
+    engine (at the same TP size) afterwards."""
+    batch = prompts(8, seed=8, lo=20, hi=100)
+    llm = LLM(qwen3_small, tensor_parallel_size=tp, **ENGINE)
+    expected = [o["token_ids"] for o in llm.generate(batch, greedy(16), use_tqdm=False)]
+    outcome = {}
+
+    def generate():
+        try:
+            outcome["value"] = llm.generate(batch, SamplingParams(temperature=0, max_tokens=900, ignore_eos=True),
+                                            use_tqdm=False)
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while llm.stats()["num_running"] < len(batch) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # decoding, in CUDA graphs
+    os.kill(llm.processes[-1].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(10)
+    assert not thread.is_alive(), "generate still blocked 10 s after a worker died"
+    print(f"TP={tp}: generate raised {time.monotonic() - killed:.2f} s after the kill")
+    assert time.monotonic() - killed < 5
+    assert isinstance(outcome.get("error"), RuntimeError) and f"worker rank {tp - 1}" in str(outcome["error"])
+    with pytest.raises(RuntimeError, match=f"worker rank {tp - 1} .* died"):
+        llm.generate(batch, greedy(4), use_tqdm=False)
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 15
+    assert not any(p.is_alive() for p in llm.processes)
+    assert shm_segments() == []
+    with LLM(qwen3_small, tensor_parallel_size=tp, **ENGINE) as again:  # the process goes on
+        assert [o["token_ids"] for o in again.generate(batch, greedy(16), use_tqdm=False)] == expected
+
+
+def _engine_in_a_process(model: str, tp: int, queue):
+    with LLM(model, tensor_parallel_size=tp, gpu_memory_utilization=0.4, **ENGINE) as llm:
+        queue.put([o["token_ids"] for o in llm.generate(prompts(8, seed=9), greedy(16), use_tqdm=False)])
+
+
+def test_two_tp_engines_at_once_in_separate_processes(qwen3_small):
+    tp = 2
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_engine_in_a_process, args=(qwen3_small, tp, queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert results[0] == results[1]
+    assert shm_segments() == []
