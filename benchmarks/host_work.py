@@ -4,9 +4,12 @@ item 4), timed on CPU:
     the end of the free list (where freed blocks go), a miss, and a retry that does not fit (a waiting
     prompt is retried at every step until it fits);
 (b) what a request handle costs per sampled token: on the loop thread (`_on_token`), and for a reader who
-    iterates it, with the number of tokenizer decodes per token.
+    iterates it, with the number of tokenizer decodes per token;
+(c) a sampling step of 256 sequences of 2,000 tokens (1,000 prompt, 1,000 output) over Qwen3's vocabulary:
+    the build of the sampling batch and the sampler, plain temperature rows vs penalized ones (the penalties
+    must not cost a pass over every sequence's history at every step).
 
-    python benchmarks/host_work.py [--blocks 4400 131072] [--repeat 50] [--tokens 2000]
+    python benchmarks/host_work.py [--blocks 4400 131072] [--repeat 50] [--tokens 2000] [--steps 5]
 
 (Run it from the repository root with PYTHONPATH=. to time this checkout rather than an installed copy.)
 """
@@ -18,16 +21,20 @@ import threading
 import time
 from types import SimpleNamespace
 
+import torch
 from transformers import AutoTokenizer
 
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import RequestHandle
+from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import Sampler
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
 BLOCK_SIZE = 16
 PREFIX = 2048
+VOCAB = 151936  # Qwen3's
 
 
 def median_ms(timings: list[float]) -> float:
@@ -127,11 +134,37 @@ def handle_row(tokenizer, how: str, num_tokens: int, rng: random.Random) -> dict
             "decodes": decodes / num_tokens}
 
 
+def sampling_step_row(params: SamplingParams, num_seqs: int, num_steps: int, rng: random.Random) -> dict:
+    """Median ms of a sampling step on CPU: building the batch, and sampling (up to the tokens on the host)."""
+    seqs = []
+    for _ in range(num_seqs):
+        seq = Sequence([rng.randrange(VOCAB) for _ in range(1000)], params)
+        for _ in range(1000):
+            seq.append_token(rng.randrange(VOCAB))
+        seqs.append(seq)
+    logits = torch.randn(num_seqs, VOCAB, generator=torch.Generator().manual_seed(0))
+    sampler, generator = Sampler(), torch.Generator().manual_seed(0)
+    build, sample = [], []
+    for step in range(num_steps + 1):  # the first one warms up
+        start = time.perf_counter()
+        batch = build_sampling_batch(seqs, frozenset([2]), VOCAB, torch.from_numpy)
+        built = time.perf_counter()
+        token_ids = sampler.sample(logits, batch, generator)[0].tolist()
+        done = time.perf_counter()
+        if step:
+            build.append(built - start)
+            sample.append(done - built)
+        for seq, token_id in zip(seqs, token_ids):
+            seq.append_token(token_id)
+    return {"build": median_ms(build), "sample": median_ms(sample)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", type=int, nargs="+", default=[4400, 131072])
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     rng = random.Random(0)
 
@@ -148,6 +181,19 @@ def main():
     for how in ("result() only", "iterated", "iterated at the end", "asyncio listener", "stop string"):
         row = handle_row(tokenizer, how, args.tokens, rng)
         print(f"{how:>22} | {row['loop']:>14.2f} | {row['reader']:>9.2f} | {row['decodes']:>13.2f}")
+
+
+    print(f"\nsampling step, 256 sequences x 2,000 tokens, vocabulary {VOCAB}, CPU, median of {args.steps} (ms)")
+    print(f"{'rows':>22} | {'build':>8} | {'sample':>8} | {'step':>8} | {'x plain':>7}")
+    plain_ms = None
+    for name, penalties in (("plain", {}), ("repetition", dict(repetition_penalty=1.1)),
+                            ("frequency + presence", dict(frequency_penalty=0.2, presence_penalty=0.1)),
+                            ("all three", dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1))):
+        row = sampling_step_row(SamplingParams(temperature=0.6, **penalties), 256, args.steps, rng)
+        step_ms = row["build"] + row["sample"]
+        plain_ms = plain_ms or step_ms
+        print(f"{name:>22} | {row['build']:>8.1f} | {row['sample']:>8.1f} | {step_ms:>8.1f} | "
+              f"{step_ms / plain_ms:>7.2f}")
 
 
 if __name__ == "__main__":
