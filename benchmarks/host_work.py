@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.penalty_slots import PenaltySlots
 from nanovllm.engine.request import RequestHandle
 from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
@@ -144,12 +145,16 @@ def sampling_step_row(params: SamplingParams, num_seqs: int, num_steps: int, rng
         seqs.append(seq)
     logits = torch.randn(num_seqs, VOCAB, generator=torch.Generator().manual_seed(0))
     sampler, generator = Sampler(), torch.Generator().manual_seed(0)
+    penalty_slots = PenaltySlots(VOCAB, 4096, num_seqs, torch.device("cpu"))
     build, sample = [], []
-    for step in range(num_steps + 1):  # the first one warms up
+    for step in range(num_steps + 1):  # the first one warms up (and builds the penalty slots)
         start = time.perf_counter()
-        batch = build_sampling_batch(seqs, frozenset([2]), VOCAB, torch.from_numpy)
+        batch = build_sampling_batch(seqs, frozenset([2]), VOCAB, torch.from_numpy, penalty_slots)
         built = time.perf_counter()
-        token_ids = sampler.sample(logits, batch, generator)[0].tolist()
+        sampled = sampler.sample(logits, batch, generator)[0]
+        if batch.penalties is not None:  # as the model runner does
+            penalty_slots.append(batch.penalties, sampled)
+        token_ids = sampled.tolist()
         done = time.perf_counter()
         if step:
             build.append(built - start)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from nanovllm import SamplingParams
+from nanovllm.engine.penalty_slots import PenaltySlots
 from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.step_output import StepOutput
 from nanovllm.engine.sequence import Sequence
@@ -48,6 +49,7 @@ def main():
     logits = torch.randn(args.rows, args.vocab, device=device, dtype=torch.bfloat16 if device.type == "cuda"
                          else torch.float32)
     sampler, generator = Sampler(), torch.Generator(device).manual_seed(0)
+    penalty_slots = PenaltySlots(args.vocab, 4096, args.rows, device)
     print(f"{args.rows} rows x {args.vocab} vocab on {device}")
     print(f"{'case':<26} {'build ms':>9} {'sample ms':>10}")
     for name, params in cases.items():
@@ -55,9 +57,12 @@ def main():
         build = sample = 0.0
         for i in range(args.iters + 2):
             t0 = time.perf_counter()
-            batch = build_sampling_batch(seqs, frozenset([2]), args.vocab, to_device)
+            batch = build_sampling_batch(seqs, frozenset([2]), args.vocab, to_device, penalty_slots)
             t1 = time.perf_counter()
-            StepOutput(*sampler.sample(logits, batch, generator), batch.num_logprobs).result()  # the one sync
+            sampled, logprobs = sampler.sample(logits, batch, generator)
+            if batch.penalties is not None:  # as the model runner does
+                penalty_slots.append(batch.penalties, sampled)
+            StepOutput(sampled, logprobs, batch.num_logprobs).result()  # the one sync
             t2 = time.perf_counter()
             if i >= 2:  # the first two warm up
                 build, sample = build + t1 - t0, sample + t2 - t1

@@ -97,3 +97,22 @@ def within(seconds: float, fn, *args, **kwargs):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def full_rebuild_penalties(logits: torch.Tensor, histories: list[tuple[list[int], list[int]]], params: list
+                           ) -> torch.Tensor:
+    """Repetition, frequency and presence penalties as the engine applied them before it kept their state on
+    the device: [rows, vocab] masks rebuilt from each row's (prompt, output) tokens. The incremental state must
+    give the same logits bit for bit."""
+    seen = torch.zeros(logits.shape, dtype=torch.bool)
+    counts = torch.zeros(logits.shape)
+    for row, (prompt, output) in enumerate(histories):
+        seen[row, prompt + output] = True
+        counts[row].index_put_((torch.tensor(output, dtype=torch.int64),), torch.ones(len(output)), accumulate=True)
+
+    def column(name):
+        return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32).unsqueeze(1)
+
+    penalty = column("repetition_penalty")
+    logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return logits - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)

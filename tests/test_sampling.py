@@ -7,11 +7,14 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.penalty_slots import PenaltySlots
 from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import SamplingBatch, apply_penalties
+from nanovllm.layers.sampler import apply_penalties
+from tests.conftest import full_rebuild_penalties
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -42,7 +45,7 @@ def test_plain_rows_take_the_fast_path():
     assert plain.is_plain and plain.temperatures.tolist() == pytest.approx([1.0, 0.0, 0.7])
     full = batch_of(SamplingParams(), SamplingParams(top_k=3), SamplingParams(min_tokens=2))
     assert not full.is_plain
-    assert full.top_k.tolist() == [64, 3, 64] and full.top_p is None and full.seen is None
+    assert full.top_k.tolist() == [64, 3, 64] and full.top_p is None and full.penalties is None
     assert full.banned[2, 1] and not full.banned[:2].any()  # only the row short of min_tokens bans EOS
 
 
@@ -211,25 +214,42 @@ def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[in
     return logits
 
 
-def test_apply_penalties_matches_reference():
-    torch.manual_seed(0)
+@settings(max_examples=60, deadline=None)
+@given(histories=st.lists(st.tuples(st.lists(st.integers(0, 49), min_size=1, max_size=12),
+                                    st.lists(st.integers(0, 49), max_size=12), st.integers(0, 12)),
+                          min_size=1, max_size=5),
+       settings_=st.lists(st.sampled_from([(1.3, 0.5, 0.2), (1.0, 0.0, 0.0), (0.8, -0.4, 1.0), (1.0, 2.0, 0.0)]),
+                          min_size=5, max_size=5),
+       seed=st.integers(0, 2**32 - 1))
+def test_penalties_from_slots_equal_a_full_rebuild(histories, settings_, seed):
+    """Rows whose output is partly known when their slot is built and partly sampled later, into the slot on
+    the device: the logits equal those of [rows, vocab] masks rebuilt from every token, bit for bit, and
+    vLLM's definitions applied token by token."""
     vocab = 50
-    logits = torch.randn(3, vocab) * 3
-    histories = [([1, 2, 3, 3], [4, 4, 4, 1]), ([7], []), ([9, 10], [11, 9])]
-    settings = [(1.3, 0.5, 0.2), (1.0, 0.0, 0.0), (0.8, -0.4, 1.0)]
-    seen = torch.zeros(3, vocab, dtype=torch.bool)
-    counts = torch.zeros(3, vocab)
-    for row, (prompt, output) in enumerate(histories):
-        seen[row, prompt + output] = True
-        for t in output:
-            counts[row, t] += 1
-    batch = SamplingBatch(torch.ones(3), seen=seen, output_counts=counts,
-                          repetition_penalty=torch.tensor([s[0] for s in settings]),
-                          frequency_penalty=torch.tensor([s[1] for s in settings]),
-                          presence_penalty=torch.tensor([s[2] for s in settings]))
-    got = apply_penalties(logits, batch)
-    for row, ((prompt, output), setting) in enumerate(zip(histories, settings)):
-        torch.testing.assert_close(got[row], reference_penalties(logits[row], prompt, output, *setting))
+    params = [SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
+              for r, f, p in settings_[:len(histories)]]
+    seqs = [Sequence(prompt, p) for (prompt, _, _), p in zip(histories, params)]
+    for seq, (_, output, known) in zip(seqs, histories):
+        for t in output[:known]:
+            seq.append_token(t)
+    slots = PenaltySlots(vocab, 64, 8, torch.device("cpu"))
+    for step in range(max(len(output) - known for _, output, known in histories)):
+        sampling = [(seq, output[known + step]) for seq, (_, output, known) in zip(seqs, histories)
+                    if known + step < len(output)]
+        batch = build_sampling_batch([seq for seq, _ in sampling], frozenset(), vocab, torch.from_numpy, slots)
+        if batch.penalties is not None:
+            slots.append(batch.penalties, torch.tensor([t for _, t in sampling]))
+        for seq, _ in sampling:
+            seq.append_pending(0)  # the host does not need its value
+    logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    logits[:, ::7] = 0
+    got = apply_penalties(logits, build_sampling_batch(seqs, frozenset(), vocab, torch.from_numpy, slots))
+    rows = [(prompt, output) for prompt, output, _ in histories]
+    assert torch.equal(got, full_rebuild_penalties(logits, rows, params))
+    for row, ((prompt, output), p) in enumerate(zip(rows, params)):
+        expected = reference_penalties(logits[row], prompt, output, p.repetition_penalty, p.frequency_penalty,
+                                       p.presence_penalty)
+        torch.testing.assert_close(got[row], expected)
 
 
 def test_penalized_greedy_matches_hf(llm, hf_model):

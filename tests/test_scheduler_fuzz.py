@@ -1,19 +1,29 @@
 """The scheduler and the block manager under thousands of random operations, with every invariant checked
 after each: block accounting, reference counts, the prefix cache, queue membership, and each request
 finishing exactly once within its limits. Steps complete at once or, as with overlap scheduling, one step
-later: the next step is scheduled while a step's tokens are pending."""
+later: the next step is scheduled while a step's tokens are pending. Penalized requests keep their
+histories in penalty slots, as rank 0's model runner does: every step's penalties equal those rebuilt from
+all tokens (a pending one included), and a slot belongs to one running sequence only."""
 from collections import Counter
 from types import SimpleNamespace
 
+import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import compute_hash
+from nanovllm.engine.penalty_slots import PenaltySlots
+from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
+from nanovllm.layers.sampler import apply_penalties
+from tests.conftest import full_rebuild_penalties
 
 EOS, STOP = 1, 2
+VOCAB = 64
+PENALTIES = st.sampled_from([{}, dict(repetition_penalty=1.5), dict(frequency_penalty=0.5, presence_penalty=-0.25),
+                             dict(repetition_penalty=0.7, frequency_penalty=-1.0, presence_penalty=2.0)])
 # prompts are made of a few 4-token pieces, so they share prefixes and the prefix cache gets hits
 PROMPTS = st.builds(lambda pieces, tail: sum(pieces, []) + tail,
                     st.lists(st.sampled_from([[0, 3, 4, 5], [3, 3, 3, 3], [5, 4, 3, 0]]), max_size=4),
@@ -30,7 +40,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, prefill_first=prefill_first,
             max_model_len=num_blocks * block_size, eos_token_ids=(EOS,), num_kvcache_blocks=num_blocks,
             kvcache_block_size=block_size)
-        self.scheduler = Scheduler(config)
+        self.penalty_slots = PenaltySlots(VOCAB, config.max_model_len, max_num_seqs, torch.device("cpu"))
+        self.scheduler = Scheduler(config, on_release=self.penalty_slots.release)
         self.block_size, self.num_blocks, self.overlap = block_size, num_blocks, overlap
         self.in_flight = None  # a launched step whose tokens are pending: (sampled, filled, tokens)
         self.live: list[Sequence] = []  # added, not yet finished
@@ -38,11 +49,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finished = Counter()
 
     @rule(prompt=PROMPTS, max_tokens=st.integers(1, 24),
-          min_tokens=st.integers(0, 3), ignore_eos=st.booleans())
-    def add(self, prompt, max_tokens, min_tokens, ignore_eos):
+          min_tokens=st.integers(0, 3), ignore_eos=st.booleans(), penalties=PENALTIES)
+    def add(self, prompt, max_tokens, min_tokens, ignore_eos, penalties):
         prompt = prompt[:self.scheduler.max_model_len]  # the engine refuses longer prompts up front
         params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
-                                ignore_eos=ignore_eos, stop_token_ids=[STOP])
+                                ignore_eos=ignore_eos, stop_token_ids=[STOP], **penalties)
         seq = Sequence(prompt, params)
         self.scheduler.add(seq)
         self.live.append(seq)
@@ -61,7 +72,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not seq.is_pending or (seq.num_completion_tokens < seq.params.max_tokens
                                           and seq.num_tokens < self.scheduler.max_model_len)
         sampled = [seq for seq in seqs if seq.samples_this_step]
-        tokens = data.draw(st.lists(st.integers(0, 63), min_size=len(sampled), max_size=len(sampled)))
+        tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(sampled), max_size=len(sampled)))
+        if sampled:
+            self._sample(data, sampled, tokens)
         launched = (sampled, self.scheduler.launched(seqs), tokens) if seqs else None
         if self.in_flight:
             self._complete(data, *self.in_flight)
@@ -73,6 +86,25 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not self.overlap:
                 self._complete(data, *launched)
                 self.in_flight = None
+
+    def _sample(self, data, sampled, tokens):
+        """What rank 0's model runner does when it samples: the penalties from the slots, then the step's
+        tokens into them."""
+        batch = build_sampling_batch(sampled, frozenset([EOS]), VOCAB, torch.from_numpy, self.penalty_slots)
+        if batch.penalties is None:
+            return
+        histories = []
+        for seq in sampled:  # the host's tokens, and the pending one's value from the step in flight
+            token_ids = seq.token_ids[:-1] + [self.in_flight[2][seq.pending_row]] if seq.is_pending else seq.token_ids
+            histories.append((token_ids[:seq.num_prompt_tokens], token_ids[seq.num_prompt_tokens:]))
+        generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
+        logits = torch.tensor([-2.5, -1.0, 0.0, 0.5, 3.0])[torch.randint(5, (len(sampled), VOCAB), generator=generator)]
+        if batch.banned is not None:  # min_tokens: the ban comes first
+            logits = logits.masked_fill(batch.banned, float("-inf"))
+            batch.banned = None
+        expected = full_rebuild_penalties(logits, histories, [seq.params for seq in sampled])
+        assert torch.equal(apply_penalties(logits, batch), expected)
+        self.penalty_slots.append(batch.penalties, torch.tensor(tokens))
 
     def _complete(self, data, sampled, filled, tokens):
         took, done = self.scheduler.complete(sampled, filled, tokens)
@@ -152,6 +184,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         for seq in getattr(self, "ended", []):  # no token is added to them, pending or not
             assert seq.is_finished and not seq.is_pending and seq.block_table == []
             assert seq.num_tokens == len(seq.token_ids) and PENDING not in seq.token_ids
+
+    @invariant()
+    def penalty_slots_belong_to_running_sequences(self):
+        if not hasattr(self, "scheduler"):
+            return
+        slot_of, free = self.penalty_slots.slot_of, self.penalty_slots.free
+        assert len(set(slot_of.values())) == len(slot_of), "two sequences share a slot"
+        assert set(slot_of.values()).isdisjoint(free) and len(free) == len(set(free))
+        assert len(slot_of) + len(free) == self.penalty_slots.counts.size(0) <= self.scheduler.max_num_seqs
+        # released when a sequence finishes, is aborted or preempted
+        assert set(slot_of) <= {seq.seq_id for seq in self.scheduler.running}
 
     @invariant()
     def queues_are_consistent(self):

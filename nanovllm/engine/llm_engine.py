@@ -58,7 +58,7 @@ class LLMEngine:
         except BaseException:
             stop_workers(self.processes)
             raise
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, on_release=self.model_runner.penalty_slots.release)
         self._in_flight: Step | None = None  # launched, its tokens not yet accounted for
         self._last_completed = 0.0
         self._throughput: dict[str, str] = {}

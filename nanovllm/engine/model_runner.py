@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.engine.penalty_slots import PenaltySlots
 from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_output import StepOutput
@@ -76,6 +77,10 @@ class ModelRunner:
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampled = torch.zeros(0, dtype=torch.int64, device=self.device)  # the last step's tokens
+        # histories of penalized sequences (rank 0's), allocated on first use; max_model_len is a bound (the
+        # KV cache may lower it below)
+        self.penalty_slots = PenaltySlots(hf_config.vocab_size, config.max_model_len, config.max_num_seqs,
+                                          self.device)
         if config.device == "cuda":
             self.compile_small_ops()
         self.graphs: DecodeGraphs | None = None
@@ -291,8 +296,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden_states[logits_indices]) if num_samples else None
         if self.rank == 0 and num_samples:
             batch = build_sampling_batch([seq for seq in seqs if seq.samples_this_step], self.eos_token_ids,
-                                         logits.size(1), self._to_device)
+                                         logits.size(1), self._to_device, self.penalty_slots)
             self.sampled, logprobs = self.sampler.sample(logits, batch, self.generator)
+            if batch.penalties is not None:
+                self.penalty_slots.append(batch.penalties, self.sampled)
             output = StepOutput(self.sampled, logprobs, batch.num_logprobs)
         else:
             self.sampled = torch.empty(num_samples, dtype=torch.int64, device=self.device)

@@ -4,20 +4,20 @@ A batch in which every row is plain temperature (or greedy) sampling carries tem
 sampler takes its fast path; anything else adds only the tensors that some row of the batch needs.
 """
 from itertools import chain
-from typing import Callable
 
 import numpy as np
 import torch
 
+from nanovllm.engine.penalty_slots import PenaltySlots, ToDevice
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplingBatch
 
 GOLDEN = 0x9E3779B97F4A7C15  # spreads seeds apart before the position is added
-ToDevice = Callable[[np.ndarray], torch.Tensor]
 
 
 def build_sampling_batch(seqs: list[Sequence], eos_token_ids: frozenset[int], vocab_size: int,
-                         to_device: ToDevice) -> SamplingBatch:
+                         to_device: ToDevice, penalty_slots: PenaltySlots | None = None) -> SamplingBatch:
+    """`penalty_slots` (the model runner's) hold the histories of penalized sequences."""
     params = [seq.params for seq in seqs]
 
     def column(values, dtype=np.float32) -> torch.Tensor:
@@ -37,19 +37,11 @@ def build_sampling_batch(seqs: list[Sequence], eos_token_ids: frozenset[int], vo
         batch.banned = token_mask([
             [t for t in chain(p.stop_token_ids, () if p.ignore_eos else eos_token_ids) if t < vocab_size]
             if is_short else [] for p, is_short in zip(params, short)], vocab_size, to_device)
-    if any(p.repetition_penalty != 1 for p in params):
-        batch.repetition_penalty = column([p.repetition_penalty for p in params])
-        batch.seen = token_mask([seq.token_ids if p.repetition_penalty != 1 else []
-                                 for seq, p in zip(seqs, params)], vocab_size, to_device)
-    if any(p.frequency_penalty or p.presence_penalty for p in params):
-        batch.frequency_penalty = column([p.frequency_penalty for p in params])
-        batch.presence_penalty = column([p.presence_penalty for p in params])
-        outputs = [seq.completion_token_ids if p.frequency_penalty or p.presence_penalty else []
-                   for seq, p in zip(seqs, params)]
-        rows, cols = rows_and_columns(outputs, to_device)
-        f32 = dict(dtype=torch.float32, device=rows.device)
-        batch.output_counts = torch.zeros(len(seqs), vocab_size, **f32).index_put_(
-            (rows, cols), torch.ones(len(cols), **f32), accumulate=True)
+    penalized = [row for row, p in enumerate(params)
+                 if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty]
+    if penalized:
+        batch.penalties = penalty_slots.gather([seqs[row] for row in penalized], column(penalized, np.int64),
+                                               to_device)
     if any(p.seed is not None for p in params):
         # the draw for a request's k-th token depends on its seed and position only: reproducible in any batch
         batch.seeds = [(row, (p.seed * GOLDEN + seq.num_tokens) % (1 << 64))
@@ -59,17 +51,11 @@ def build_sampling_batch(seqs: list[Sequence], eos_token_ids: frozenset[int], vo
     return batch
 
 
-def rows_and_columns(token_lists: list[list[int]], to_device: ToDevice) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (row, token) index pairs of every token of every row."""
-    lengths = [len(tokens) for tokens in token_lists]
-    rows = np.repeat(np.arange(len(token_lists), dtype=np.int64), lengths)
-    cols = np.fromiter(chain.from_iterable(token_lists), np.int64, sum(lengths))
-    return to_device(rows), to_device(cols)
-
-
 def token_mask(token_lists: list[list[int]], vocab_size: int, to_device: ToDevice) -> torch.Tensor:
     """[rows, vocab] bool, True at each row's tokens."""
-    rows, cols = rows_and_columns(token_lists, to_device)
+    lengths = [len(tokens) for tokens in token_lists]
+    rows = to_device(np.repeat(np.arange(len(token_lists), dtype=np.int64), lengths))
+    cols = to_device(np.fromiter(chain.from_iterable(token_lists), np.int64, sum(lengths)))
     mask = torch.zeros(len(token_lists), vocab_size, dtype=torch.bool, device=rows.device)
     mask[rows, cols] = True
     return mask

@@ -17,8 +17,9 @@ a decode of that token, unless the token certainly ends it (max_tokens, max_mode
 out to end it otherwise (EOS, a stop), the next step's work for it is dropped. `postprocess` is both
 halves at once.
 """
-from itertools import repeat
 from collections import deque
+from itertools import repeat
+from typing import Callable
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -27,7 +28,7 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 class Scheduler:
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, on_release: Callable[[Sequence], None] = lambda seq: None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -37,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.on_release = on_release  # told of each sequence that stops running: ended, aborted or preempted
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -54,6 +56,7 @@ class Scheduler:
         seq.num_scheduled_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.drop_pending()
+        self.on_release(seq)
 
     def schedule(self) -> list[Sequence]:
         """Pick this step's sequences and set `num_scheduled_tokens` on each."""
@@ -122,6 +125,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
+        self.on_release(seq)
 
     def launched(self, seqs: list[Sequence]) -> list[tuple]:
         """A step computing `seqs` is on its way: their scheduled KV counts as computed. Returns what

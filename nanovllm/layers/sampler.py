@@ -11,6 +11,21 @@ from torch import nn
 
 
 @dataclass
+class Penalties:
+    """Repetition, frequency and presence penalties of some rows of a batch (vLLM's definitions), read from
+    each row's history: only the tokens of its prompt and output change."""
+    rows: torch.Tensor  # [m] int64: rows of the batch
+    token_ids: torch.Tensor  # [m, length] int64: each row's prompt and output tokens (repeats are harmless)
+    output_counts: torch.Tensor  # [m, length] float32: times token_ids[i, j] was generated
+    repetition_penalty: torch.Tensor  # [m] float32, 1 where off
+    frequency_penalty: torch.Tensor  # [m] float32
+    presence_penalty: torch.Tensor  # [m] float32
+    # where the engine keeps each row's history, and where this step's token goes in it (not the sampler's)
+    slots: torch.Tensor  # [m] int64
+    positions: torch.Tensor  # [m] int64
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling parameters on the logits' device. A field is None when no row of the batch uses it."""
     temperatures: torch.Tensor  # [n] float32, 0 = greedy
@@ -18,11 +33,7 @@ class SamplingBatch:
     top_p: torch.Tensor | None = None  # [n] float32, > 1 where off
     min_p: torch.Tensor | None = None  # [n] float32, 0 where off
     banned: torch.Tensor | None = None  # [n, vocab] bool: EOS and stop tokens of rows short of min_tokens
-    seen: torch.Tensor | None = None  # [n, vocab] bool: tokens in the prompt or the output
-    output_counts: torch.Tensor | None = None  # [n, vocab] float32: times each token was generated
-    repetition_penalty: torch.Tensor | None = None  # [n] float32, 1 where off
-    frequency_penalty: torch.Tensor | None = None  # [n] float32
-    presence_penalty: torch.Tensor | None = None  # [n] float32
+    penalties: Penalties | None = None
     seeds: list[tuple[int, int]] | None = None  # (row, seed of this row's draw at this step)
     num_logprobs: list[int | None] | None = None  # per row: how many top logprobs, None = none
 
@@ -75,13 +86,14 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The `min_tokens` ban, then repetition, frequency and presence penalties (vLLM's definitions)."""
     if batch.banned is not None:
         logits = logits.masked_fill(batch.banned, float("-inf"))
-    if batch.seen is not None:
-        penalty = batch.repetition_penalty.unsqueeze(1)
-        logits = torch.where(batch.seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    if batch.output_counts is not None:
-        counts = batch.output_counts
-        logits = (logits - batch.frequency_penalty.unsqueeze(1) * counts
-                  - batch.presence_penalty.unsqueeze(1) * (counts > 0))
+    p = batch.penalties
+    if p is not None:  # each (row, token) of a history takes one value, wherever the token repeats
+        index = (p.rows.unsqueeze(1).expand_as(p.token_ids), p.token_ids)
+        values, repetition = logits[index], p.repetition_penalty.unsqueeze(1)
+        values = torch.where(values > 0, values / repetition, values * repetition)
+        values = (values - p.frequency_penalty.unsqueeze(1) * p.output_counts
+                  - p.presence_penalty.unsqueeze(1) * (p.output_counts > 0))
+        logits = logits.index_put(index, values)
     return logits
 
 
