@@ -26,8 +26,9 @@ def mixed_params() -> list[SamplingParams]:
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=list(range(3, 512, 5)), min_tokens=6),
         SamplingParams(temperature=0, max_tokens=1),
         SamplingParams(temperature=0.8, seed=3, max_tokens=10, logprobs=3, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-    ]  # no penalties: a batch with one waits for the tokens in flight, which would hide the overlap
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=2.0,
+                       frequency_penalty=2.0, presence_penalty=2.0),  # they count the token in flight
+    ]
 
 
 def run(tiny_model, batch, params, async_scheduling, **engine_args):
@@ -69,7 +70,7 @@ def test_overlap_equals_synchronous(tiny_model, hf_model, engine_args):
     if "max_model_len" in engine_args:  # the last request: 40 prompt tokens, 8 generated
         assert len(on[0][-1]["token_ids"]) == 8 and on[0][-1]["finish_reason"] == "length"
     for prompt, p, out in zip(batch, params, on[1]):
-        if p.temperature == 0 and p.min_tokens == 0 and out["token_ids"]:
+        if p.temperature == 0 and p.is_plain and out["token_ids"]:  # greedy, with no ban or penalty
             assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
     reasons = {o["finish_reason"] for o in on[0]}
     assert reasons == {"stop", "length"}
@@ -88,7 +89,11 @@ def test_penalties_count_the_tokens_in_flight(tiny_model):
         assert all(a != b for a, b in zip(out["token_ids"], out["token_ids"][1:]))
 
 
-def test_steps_overlap_only_when_asked(tiny_model, monkeypatch):
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5),
+], ids=["plain", "penalized"])
+def test_steps_overlap_only_when_asked(tiny_model, monkeypatch, params):
     events = []
     result = step_output.StepOutput.result
 
@@ -102,7 +107,7 @@ def test_steps_overlap_only_when_asked(tiny_model, monkeypatch):
             run_step = llm.model_runner.run
             monkeypatch.setattr(llm.model_runner, "run", lambda seqs: events.append("run") or run_step(seqs))
             events.clear()
-            llm.generate(prompts(4, seed=2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            llm.generate(prompts(4, seed=2), params)
         in_flight, ahead = 0, 0  # steps launched and not completed; launches made while one was in flight
         for event in events:
             in_flight += 1 if event == "run" else -1

@@ -220,10 +220,6 @@ class LLMEngine:
         self.check_workers()
         finished = []
         seqs = self.scheduler.schedule()
-        if self._in_flight is not None and any(needs_token_values(seq) for seq in seqs):
-            finished += self._complete(self._in_flight)  # penalties count the tokens in flight: wait for them
-            self._in_flight = None
-            seqs = [seq for seq in seqs if not seq.is_finished]
         num_decode = sum(seq.num_scheduled_tokens == 1 for seq in seqs)
         num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
         step = self._launch(seqs, num_prefill, num_decode) if seqs else None
@@ -328,14 +324,6 @@ class Step:
     num_prefill: int
     num_decode: int
     launched_at: float
-
-
-def needs_token_values(seq: Sequence) -> bool:
-    """Whether sampling this sequence reads the values of its tokens (repetition, frequency and presence
-    penalties), which a pending token does not have yet."""
-    params = seq.params
-    return (seq.is_pending and seq.samples_this_step
-            and (params.repetition_penalty != 1 or params.frequency_penalty != 0 or params.presence_penalty != 0))
 
 
 def token_id_list(values) -> list[int] | None:
