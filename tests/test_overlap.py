@@ -36,6 +36,7 @@ def run(tiny_model, batch, params, async_scheduling, **engine_args):
         first = llm.generate(batch, params)
         second = llm.generate(batch, params)  # prefix-cache hits
         stats = llm.stats()
+        assert not llm.model_runner.penalty_slots.slot_of  # every ended request gave its slot back
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     return first, second, stats
 
