@@ -191,9 +191,10 @@ def main():
     print(f"\nsampling step, 256 sequences x 2,000 tokens, vocabulary {VOCAB}, CPU, median of {args.steps} (ms)")
     print(f"{'rows':>22} | {'build':>8} | {'sample':>8} | {'step':>8} | {'x plain':>7}")
     plain_ms = None
+    all_three = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)
     for name, penalties in (("plain", {}), ("repetition", dict(repetition_penalty=1.1)),
                             ("frequency + presence", dict(frequency_penalty=0.2, presence_penalty=0.1)),
-                            ("all three", dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1))):
+                            ("all three", all_three)):
         row = sampling_step_row(SamplingParams(temperature=0.6, **penalties), 256, args.steps, rng)
         step_ms = row["build"] + row["sample"]
         plain_ms = plain_ms or step_ms

@@ -108,7 +108,8 @@ def full_rebuild_penalties(logits: torch.Tensor, histories: list[tuple[list[int]
     counts = torch.zeros(logits.shape)
     for row, (prompt, output) in enumerate(histories):
         seen[row, prompt + output] = True
-        counts[row].index_put_((torch.tensor(output, dtype=torch.int64),), torch.ones(len(output)), accumulate=True)
+        for t in output:
+            counts[row, t] += 1
 
     def column(name):
         return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32).unsqueeze(1)

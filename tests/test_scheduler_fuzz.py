@@ -95,10 +95,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         histories = []
         for seq in sampled:  # the host's tokens, and the pending one's value from the step in flight
-            token_ids = seq.token_ids[:-1] + [self.in_flight[2][seq.pending_row]] if seq.is_pending else seq.token_ids
+            token_ids = seq.token_ids[:-1] + [self.in_flight[2][seq.pending_row]] if seq.is_pending \
+                else seq.token_ids
             histories.append((token_ids[:seq.num_prompt_tokens], token_ids[seq.num_prompt_tokens:]))
         generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
-        logits = torch.tensor([-2.5, -1.0, 0.0, 0.5, 3.0])[torch.randint(5, (len(sampled), VOCAB), generator=generator)]
+        choices = torch.randint(5, (len(sampled), VOCAB), generator=generator)
+        logits = torch.tensor([-2.5, -1.0, 0.0, 0.5, 3.0])[choices]
         if batch.banned is not None:  # min_tokens: the ban comes first
             logits = logits.masked_fill(batch.banned, float("-inf"))
             batch.banned = None

@@ -9,8 +9,8 @@ reads only its rows' histories ([rows, longest history]), never rebuilds a [rows
 A slot belongs to a running sequence: the scheduler releases it when the sequence finishes, is aborted or is
 preempted (a preempted sequence keeps its tokens; it gets a slot rebuilt from them when it samples again, once
 its pending token is known), so there are at most max_num_seqs slots. The tensors are allocated on first use
-and grow by doubling; a slot takes 4 bytes per vocabulary token and 4 per position: 624 KiB for Qwen3's
-151,936 tokens and max_model_len 4,096, so 312 MiB at the default max_num_seqs of 512.
+and grow by doubling; a slot takes 4 bytes per vocabulary token and 4 per position: 610 KiB for Qwen3's
+151,936 tokens and max_model_len 4,096, so 305 MiB at the default max_num_seqs of 512.
 """
 from itertools import chain
 from typing import Callable
@@ -84,7 +84,7 @@ class PenaltySlots:
     def _grow(self, num_slots: int):
         old = self.counts.size(0)
         new = min(max(num_slots, 2 * old), self.max_slots)
-        assert num_slots <= new, f"{num_slots} penalized sequences running, more than max_num_seqs={self.max_slots}"
+        assert num_slots <= new, f"{num_slots} penalized sequences run, more than max_num_seqs={self.max_slots}"
         self.token_ids = torch.cat([self.token_ids, self.token_ids.new_zeros(new - old, self.token_ids.size(1))])
         self.counts = torch.cat([self.counts, self.counts.new_zeros(new - old, self.counts.size(1))])
         self.free.extend(range(new - 1, old - 1, -1))  # the lowest first
