@@ -159,6 +159,26 @@ def test_killed_worker_is_an_error_not_a_hang(tiny_model):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
+def test_a_worker_that_dies_while_starting_is_an_error_not_a_hang(tiny_model):
+    before = set(mp.active_children())
+
+    def kill_the_new_worker():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            new = [p for p in mp.active_children() if p not in before]
+            if new:
+                os.kill(new[0].pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=kill_the_new_worker, daemon=True).start()
+    with pytest.raises(RuntimeError, match="worker rank 1 .* died with exit code -9"):
+        within(30, LLM, tiny_model, tensor_parallel_size=2)
+    with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2) as llm:  # and the next engine starts
+        assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
+    assert our_shm_segments() == []
+
+
 def test_second_tp_engine_in_one_process_is_refused(tiny_model):
     with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2):
         with pytest.raises(RuntimeError, match="another engine"):

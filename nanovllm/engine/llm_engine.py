@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import ARRIVED, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.sequence import Sequence
@@ -45,6 +46,10 @@ class LLMEngine:
             raise RuntimeError("another engine with tensor_parallel_size > 1 is running in this process; "
                                "close() it first (engines in separate processes can run at once)")
         dist_port = config.dist_port or (free_port() if config.tensor_parallel_size > 1 else 0)
+        # rank 0's rendezvous, up before the workers: it counts them in, so a worker that dies on its way there
+        # is seen (init_process_group alone would wait 30 minutes for it)
+        store = (dist.TCPStore("127.0.0.1", dist_port, config.tensor_parallel_size, is_master=True,
+                               wait_for_workers=False) if config.tensor_parallel_size > 1 else None)
         shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         ctx = mp.get_context("spawn")
         for rank in range(1, config.tensor_parallel_size):
@@ -54,7 +59,9 @@ class LLMEngine:
             self.processes.append(process)
             semaphores.append(pair)
         try:
-            self.model_runner = ModelRunner(config, 0, semaphores, dist_port, shm_name)
+            if store is not None:
+                wait_for_workers(store, self.processes)
+            self.model_runner = ModelRunner(config, 0, semaphores, dist_port, shm_name, store)
         except BaseException:
             stop_workers(self.processes)
             raise
@@ -411,9 +418,20 @@ class WorkerWatch:
         self._stop_writer.close()
 
 
-def worker_died(rank: int, process) -> RuntimeError:
+def worker_died(rank: int, process, advice: str = "close this engine and start a new one") -> RuntimeError:
     return RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
-                        f"{process.exitcode}; close this engine and start a new one")
+                        f"{process.exitcode}; {advice}")
+
+
+def wait_for_workers(store, processes: list):
+    """Until every worker has checked in at rank 0's rendezvous (`ModelRunner` does, first thing); a worker
+    that dies before is an error, not a hang."""
+    while store.add(ARRIVED, 0) < len(processes):
+        for rank, process in enumerate(processes, start=1):
+            if not process.is_alive():
+                process.join(1)
+                raise worker_died(rank, process, "its own error output says why")
+        time.sleep(0.02)
 
 
 def shutdown(loop: EngineLoop, watch: WorkerWatch, model_runner: ModelRunner, processes: list):

@@ -36,6 +36,7 @@ from nanovllm.utils.loader import load_model
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_SHARE = 0.25  # of available RAM, at most, for the cache on CPU
+ARRIVED = "nanovllm-workers-arrived"  # the rendezvous' count of workers that reached it
 
 
 @contextmanager
@@ -51,7 +52,7 @@ def default_dtype(dtype: torch.dtype):
 class ModelRunner:
 
     def __init__(self, config: Config, rank: int, semaphores: list[tuple[Semaphore, Semaphore]] = (),
-                 dist_port: int = 0, shm_name: str = ""):
+                 dist_port: int = 0, shm_name: str = "", store: dist.TCPStore | None = None):
         self.config = config
         self.rank = rank
         self.world_size = config.tensor_parallel_size
@@ -61,8 +62,10 @@ class ModelRunner:
         if config.device == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
-            dist.init_process_group("nccl" if config.device == "cuda" else "gloo",
-                                    init_method=f"tcp://127.0.0.1:{dist_port}",
+            if store is None:  # a worker: check in at rank 0's rendezvous (rank 0 passes its own)
+                store = dist.TCPStore("127.0.0.1", dist_port, self.world_size, is_master=False)
+                store.add(ARRIVED, 1)
+            dist.init_process_group("nccl" if config.device == "cuda" else "gloo", store=store,
                                     world_size=self.world_size, rank=rank)
 
         hf_config = config.hf_config
