@@ -123,17 +123,26 @@ def test_a_call_posted_while_a_worker_is_busy_waits_for_it(monkeypatch):
     channel.close()
 
 
+def _waiting_worker(name: str, semaphores, took_one):
+    tp_channel.dist.barrier = lambda: None
+    channel = tp_channel.Channel(name, 1, semaphores)
+    channel.receive()
+    took_one.set()
+    channel.receive()  # asleep here when it is killed
+
+
 def test_a_post_to_a_worker_killed_while_it_waits_does_not_block(monkeypatch):
     # (a multiprocessing Event's set() waits for every sleeper in wait() to wake: forever for a killed one)
     monkeypatch.setattr(tp_channel.dist, "barrier", lambda: None)
     ctx = mp.get_context("spawn")
-    semaphores, queue = tp_channel.channel_semaphores(ctx), ctx.Queue()
+    semaphores, took_one = tp_channel.channel_semaphores(ctx), ctx.Event()
     name = f"nanovllm-{os.getpid()}-test"
     channel = tp_channel.Channel(name, 0, [semaphores])
-    worker = ctx.Process(target=_slow_worker, args=(name, [semaphores], queue))
+    worker = ctx.Process(target=_waiting_worker, args=(name, [semaphores], took_one))
     worker.start()
     channel.post("run", 1)
-    time.sleep(3)  # taken, and the worker asleep waiting for the next call
+    assert took_one.wait(60)
+    time.sleep(0.5)  # asleep, waiting for the next call
     worker.kill()
     worker.join(10)
     within(5, channel.post, "run", 2)  # the buffer was taken: this post goes through

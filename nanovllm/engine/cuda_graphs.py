@@ -52,6 +52,12 @@ class DecodeGraphs:
                 self.logits = torch.empty_like(logits)
             self.logits[:bs] = logits
 
+    def release(self):
+        """Destroy the graphs now, not when a garbage collection finds them (see ModelRunner.exit)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_sizes[-1]
 

@@ -120,10 +120,10 @@ class ModelRunner:
         # with a worker gone, NCCL's kernels may wait for it until their communicator is aborted (the engine's
         # watch does that): tearing down or waiting for the device could then hang, so this rank only lets go
         stuck_device = self.device.type == "cuda" and not workers_alive
-        if dist.is_initialized() and not stuck_device:
-            if workers_alive:
-                dist.barrier()
-            dist.destroy_process_group()
+        # the graphs go first: NCCL does not destroy a communicator while a graph that captured its collectives
+        # lives (destroy_process_group then hangs: pytorch issue 115388; seen on two H200s at bench.py's exit)
+        if self.graphs is not None and not stuck_device:
+            self.graphs.release()
         # give the GPU memory back now: compiled forwards make reference cycles that only a gc would break
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
@@ -131,6 +131,10 @@ class ModelRunner:
         if self.device.type == "cuda" and not stuck_device:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+        if dist.is_initialized() and not stuck_device:
+            if workers_alive:
+                dist.barrier()
+            dist.destroy_process_group()
 
     def abort_collectives(self):
         """From another thread, when a worker has died: a step waiting for the workers returns or raises (in an
