@@ -1,6 +1,9 @@
 import logging
+import multiprocessing
 import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -79,9 +82,8 @@ def assert_greedy_matches_hf(hf_model, prompt_ids: list[int], output_ids: list[i
     assert gap.max().item() <= atol, f"token {gap.argmax().item()} is {gap.max().item():.2e} below HF's argmax"
 
 
-def within(seconds: float, fn, *args, **kwargs):
-    """fn(*args, **kwargs) on a thread: its result or its exception, or a failure (not a hang) if it is still
-    blocked after `seconds`."""
+def in_background(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    """fn(*args, **kwargs) started on a daemon thread; the dict gets its "value" or its "error" when it ends."""
     outcome = {}
 
     def target():
@@ -92,6 +94,13 @@ def within(seconds: float, fn, *args, **kwargs):
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
+    return thread, outcome
+
+
+def within(seconds: float, fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a thread: its result or its exception, or a failure (not a hang) if it is still
+    blocked after `seconds`."""
+    thread, outcome = in_background(fn, *args, **kwargs)
     thread.join(seconds)
     assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {seconds} s"
     if "error" in outcome:
@@ -117,3 +126,30 @@ def full_rebuild_penalties(logits: torch.Tensor, histories: list[tuple[list[int]
     penalty = column("repetition_penalty")
     logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     return logits - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+
+
+def kill_worker_while_decoding(llm, prompts, params, settle: float = 0.2) -> tuple[threading.Thread, dict, float]:
+    """`llm.generate(prompts, params)` in the background; once every prompt runs and `settle` s of decoding went
+    by, the last tensor-parallel worker is killed. Returns the generate thread, its outcome, and when the kill was."""
+    thread, outcome = in_background(llm.generate, prompts, params, use_tqdm=False)
+    deadline = time.monotonic() + 60
+    while llm.stats()["num_running"] < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(settle)
+    os.kill(llm.processes[-1].pid, signal.SIGKILL)
+    return thread, outcome, time.monotonic()
+
+
+def in_processes(target, *args, copies: int = 2) -> list:
+    """`target(*args, queue)` in `copies` spawned processes at once; what each put on its queue (in the order
+    they finished). Each must exit cleanly."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, queue)) for _ in range(copies)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return results

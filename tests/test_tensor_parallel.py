@@ -12,7 +12,8 @@ import nanovllm
 import nanovllm.engine.tp_channel as tp_channel
 from nanovllm import SamplingParams
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import assert_greedy_matches_hf, within
+from tests.conftest import (assert_greedy_matches_hf, in_background, in_processes, kill_worker_while_decoding,
+                            within)
 
 LLM = functools.partial(nanovllm.LLM, device="cpu")  # gloo, also on a machine with GPUs (their tests: test_gpu_*)
 
@@ -104,16 +105,23 @@ def _slow_worker(name: str, semaphores, queue):
     channel.close()
 
 
+def channel_to(worker_fn, *args, monkeypatch) -> tuple[tp_channel.Channel, mp.Process]:
+    """Rank 0's end of a channel, alone (no process group), and a process running `worker_fn(name, semaphores,
+    *args)` at the other end."""
+    monkeypatch.setattr(tp_channel.dist, "barrier", lambda: None)
+    ctx = mp.get_context("spawn")
+    semaphores, name = tp_channel.channel_semaphores(ctx), f"nanovllm-{os.getpid()}-test"
+    channel = tp_channel.Channel(name, 0, [semaphores])
+    worker = ctx.Process(target=worker_fn, args=(name, [semaphores], *args))
+    worker.start()
+    return channel, worker
+
+
 def test_a_call_posted_while_a_worker_is_busy_waits_for_it(monkeypatch):
     # with overlap scheduling rank 0 posts step N+1 while a worker may still be launching step N, and NCCL does
     # not make rank 0 wait for the worker: the channel must not write over a call nobody has taken
-    monkeypatch.setattr(tp_channel.dist, "barrier", lambda: None)
-    ctx = mp.get_context("spawn")
-    semaphores, queue = tp_channel.channel_semaphores(ctx), ctx.Queue()
-    name = f"nanovllm-{os.getpid()}-test"
-    channel = tp_channel.Channel(name, 0, [semaphores])
-    worker = ctx.Process(target=_slow_worker, args=(name, [semaphores], queue))
-    worker.start()
+    queue = mp.get_context("spawn").Queue()
+    channel, worker = channel_to(_slow_worker, queue, monkeypatch=monkeypatch)
     sent = [[i, list(range(i % 50))] for i in range(300)]
     for args in sent:
         channel.post("run", *args)
@@ -133,13 +141,8 @@ def _waiting_worker(name: str, semaphores, took_one):
 
 def test_a_post_to_a_worker_killed_while_it_waits_does_not_block(monkeypatch):
     # (a multiprocessing Event's set() waits for every sleeper in wait() to wake: forever for a killed one)
-    monkeypatch.setattr(tp_channel.dist, "barrier", lambda: None)
-    ctx = mp.get_context("spawn")
-    semaphores, took_one = tp_channel.channel_semaphores(ctx), ctx.Event()
-    name = f"nanovllm-{os.getpid()}-test"
-    channel = tp_channel.Channel(name, 0, [semaphores])
-    worker = ctx.Process(target=_waiting_worker, args=(name, [semaphores], took_one))
-    worker.start()
+    took_one = mp.get_context("spawn").Event()
+    channel, worker = channel_to(_waiting_worker, took_one, monkeypatch=monkeypatch)
     channel.post("run", 1)
     assert took_one.wait(60)
     time.sleep(0.5)  # asleep, waiting for the next call
@@ -202,15 +205,7 @@ def _engine_in_a_process(model: str, queue):
 
 
 def test_two_engines_at_once_on_one_host(tiny_model):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_engine_in_a_process, args=(tiny_model, queue)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = in_processes(_engine_in_a_process, tiny_model)
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         expected = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert results == [expected, expected]
@@ -220,22 +215,7 @@ def test_two_engines_at_once_on_one_host(tiny_model):
 def test_worker_killed_mid_generate_fails_it_within_5s(tiny_model, monkeypatch):
     llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
-    outcome = {}
-
-    def generate():
-        try:
-            outcome["value"] = llm.generate(PROMPTS, long)
-        except BaseException as e:
-            outcome["error"] = e
-
-    thread = threading.Thread(target=generate, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while llm.stats()["num_running"] < len(PROMPTS) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # decoding
-    os.kill(llm.processes[0].pid, signal.SIGKILL)
-    killed = time.monotonic()
+    thread, outcome, killed = kill_worker_while_decoding(llm, PROMPTS, long)
     thread.join(5)
     assert not thread.is_alive(), "generate still blocked 5 s after the worker died"
     assert time.monotonic() - killed < 5 and isinstance(outcome.get("error"), RuntimeError)
@@ -262,16 +242,8 @@ def test_a_step_stuck_in_a_collective_is_freed_when_a_worker_dies(tiny_model):
         return run(seqs)
 
     llm.model_runner.run = stuck_run
-    outcome = {}
-
-    def generate():
-        try:
-            outcome["value"] = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-        except BaseException as e:
-            outcome["error"] = e
-
-    thread = threading.Thread(target=generate, daemon=True)
-    thread.start()
+    thread, outcome = in_background(llm.generate, PROMPTS[:1],
+                                    SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     assert in_step.wait(60)
     os.kill(llm.processes[0].pid, signal.SIGKILL)
     killed = time.monotonic()
