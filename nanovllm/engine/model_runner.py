@@ -9,6 +9,7 @@ arrive later. Every rank keeps the step's sampled tokens on the device (the work
 broadcast), because the next step may be launched before the host knows them: a sequence whose last token is
 pending reads it from there.
 """
+import faulthandler
 import logging
 import os
 from contextlib import contextmanager
@@ -53,6 +54,8 @@ class ModelRunner:
 
     def __init__(self, config: Config, rank: int, semaphores: list[tuple[Semaphore, Semaphore]] = (),
                  dist_port: int = 0, shm_name: str = "", store: dist.TCPStore | None = None):
+        if rank:
+            faulthandler.enable()  # a worker that crashes in native code says where, on its stderr (the caller's)
         self.config = config
         self.rank = rank
         self.world_size = config.tensor_parallel_size
