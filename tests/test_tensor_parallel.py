@@ -192,13 +192,12 @@ def test_a_worker_that_dies_while_starting_is_an_error_not_a_hang(tiny_model):
 
 
 def test_a_worker_that_crashes_in_native_code_says_where(tiny_model, capfd):
-    llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
-    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-    os.kill(llm.processes[0].pid, signal.SIGSEGV)  # as a crash in a kernel library would
-    llm.processes[0].join(10)
-    with pytest.raises(RuntimeError, match="worker rank 1 .* died with exit code -11"):
-        within(5, llm.generate, PROMPTS, GREEDY, use_tqdm=False)
-    llm.close()
+    with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        os.kill(llm.processes[0].pid, signal.SIGSEGV)  # as a crash in a kernel library would
+        llm.processes[0].join(10)  # (beside the engine's own watch, which reaps it too)
+        with pytest.raises(RuntimeError, match="worker rank 1 .* died with exit code -11"):
+            within(5, llm.generate, PROMPTS, GREEDY, use_tqdm=False)
     err = capfd.readouterr().err
     assert "Fatal Python error: Segmentation fault" in err and "model_runner.py" in err  # the worker's stack
 

@@ -405,7 +405,6 @@ class WorkerWatch:
         if self._stop_reader in ready:
             return
         rank = sentinels[ready[0]]
-        self.processes[rank - 1].join(1)  # reaped, so that its exit code is known
         self.loop.fail(worker_died(rank, self.processes[rank - 1]))
         self.abort_collectives()
 
@@ -419,6 +418,10 @@ class WorkerWatch:
 
 
 def worker_died(rank: int, process, advice: str = "close this engine and start a new one") -> RuntimeError:
+    """The error for a worker process that has exited."""
+    deadline = time.monotonic() + 1
+    while process.exitcode is None and time.monotonic() < deadline:  # another thread may be reaping it
+        time.sleep(0.005)
     return RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
                         f"{process.exitcode}; {advice}")
 
@@ -429,7 +432,6 @@ def wait_for_workers(store, processes: list):
     while store.add(ARRIVED, 0) < len(processes):
         for rank, process in enumerate(processes, start=1):
             if not process.is_alive():
-                process.join(1)
                 raise worker_died(rank, process, "its own error output says why")
         time.sleep(0.02)
 
