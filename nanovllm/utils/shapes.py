@@ -4,37 +4,26 @@ absent); `dtype` is the dtype the weights are stored in."""
 
 _LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192, rope_theta=500000.0)
+# the widths every tiny CPU test shape shares (each family adds what it has of its own)
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=512, max_position_embeddings=4096, dtype="float32")
 SHAPES: dict[str, dict] = {
-    "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
-        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
-        dtype="float32",
-    ),
+    "tiny": dict(_TINY, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                 attention_bias=False),
     # tiny CPU test shapes of the other families; llama3 rope with a short original context, so that
     # positions of a test prompt reach all three of its frequency bands
     "tiny-llama": dict(
-        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
+        _TINY, model_type="llama", head_dim=16,
         rope_parameters=dict(_LLAMA3_ROPE, factor=8.0, original_max_position_embeddings=256),
-        rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=False, mlp_bias=False, dtype="float32",
+        rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
     ),
-    "tiny-mistral": dict(
-        model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096, rope_theta=1e6,
-        sliding_window=None, rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="float32",
-    ),
-    "tiny-qwen2": dict(
-        model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, rope_theta=1e6,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32",
-    ),
+    "tiny-mistral": dict(_TINY, model_type="mistral", head_dim=16, rope_theta=1e6, sliding_window=None,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tiny-qwen2": dict(_TINY, model_type="qwen2", rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
     "tiny-qwen3-moe": dict(
-        model_type="qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
-        max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        attention_bias=False, dtype="float32",
+        _TINY, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], head_dim=16,
+        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
     ),
     "qwen3-0.6b": dict(
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
