@@ -93,9 +93,7 @@ class LLMEngine:
     def check_workers(self):
         """Raise at once, instead of hanging in a collective, when a worker process has died."""
         self._loop.check()
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                raise worker_died(rank, process)
+        check_alive(self.processes)
 
     # ---- requests ----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -250,7 +248,9 @@ class LLMEngine:
     def _complete(self, step: "Step") -> list[Sequence]:
         """Wait for a launched step's tokens, account for them, and tell the handles."""
         token_ids, logprobs = step.output.result()
-        self.check_workers()  # a worker that died during the step leaves garbage behind: no handle gets it
+        # a worker that died during the step leaves garbage behind: no handle gets it (the watch has failed the
+        # loop before it aborts the collectives that free this step)
+        self._loop.check()
         # a step's time: since the step before it completed (steps overlap), or since its launch after a pause
         now = perf_counter()
         elapsed, self._last_completed = max(now - max(self._last_completed, step.launched_at), 1e-6), now
@@ -426,13 +426,18 @@ def worker_died(rank: int, process, advice: str = "close this engine and start a
                         f"{process.exitcode}; {advice}")
 
 
+def check_alive(processes: list, advice: str = "close this engine and start a new one"):
+    """Raise, naming the first worker that has died."""
+    for rank, process in enumerate(processes, start=1):
+        if not process.is_alive():
+            raise worker_died(rank, process, advice)
+
+
 def wait_for_workers(store, processes: list):
     """Until every worker has checked in at rank 0's rendezvous (`ModelRunner` does, first thing); a worker
     that dies before is an error, not a hang."""
     while store.add(ARRIVED, 0) < len(processes):
-        for rank, process in enumerate(processes, start=1):
-            if not process.is_alive():
-                raise worker_died(rank, process, "its own error output says why")
+        check_alive(processes, "its own error output says why")
         time.sleep(0.02)
 
 
