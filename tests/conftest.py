@@ -5,6 +5,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from queue import Empty
 
 import pytest
 import torch
@@ -148,7 +149,14 @@ def in_processes(target, *args, copies: int = 2) -> list:
     procs = [ctx.Process(target=target, args=(*args, queue)) for _ in range(copies)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=300) for _ in procs]
+    results, deadline = [], time.monotonic() + 300
+    while len(results) < copies:
+        try:
+            results.append(queue.get(timeout=1))
+        except Empty:  # a process that failed says so now, not when the wait runs out
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not failed, f"a process exited with code {failed[0]} (its error is above)"
+            assert time.monotonic() < deadline, "no result after 300 s"
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
