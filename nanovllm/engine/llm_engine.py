@@ -31,6 +31,10 @@ from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for a running step before it tears the workers down
+# held while a dead worker's engine fails its calls and aborts its collectives: NCCL's abort may wait long for the
+# dead peer (on two H200s: over 30 s), and a new engine's process group must not start before the old one is gone
+COLLECTIVES_ABORT = threading.Lock()
+ABORT_WAIT = 60.0  # seconds a new tensor-parallel engine waits for that abort before it gives up
 
 
 class LLMEngine:
@@ -42,9 +46,8 @@ class LLMEngine:
         config.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.config = config
         self.processes, semaphores = [], []
-        if config.tensor_parallel_size > 1 and dist.is_initialized():
-            raise RuntimeError("another engine with tensor_parallel_size > 1 is running in this process; "
-                               "close() it first (engines in separate processes can run at once)")
+        if config.tensor_parallel_size > 1:
+            check_no_process_group()
         dist_port = config.dist_port or (free_port() if config.tensor_parallel_size > 1 else 0)
         # rank 0's rendezvous, up before the workers: it counts them in, so a worker that dies on its way there
         # is seen (init_process_group alone would wait 30 minutes for it)
@@ -405,8 +408,9 @@ class WorkerWatch:
         if self._stop_reader in ready:
             return
         rank = sentinels[ready[0]]
-        self.loop.fail(worker_died(rank, self.processes[rank - 1]))
-        self.abort_collectives()
+        with COLLECTIVES_ABORT:
+            self.loop.fail(worker_died(rank, self.processes[rank - 1]))
+            self.abort_collectives()
 
     def stop(self):
         """Before the workers exit on purpose. (A watch that fired may be stuck in the abort: not waited for.)"""
@@ -431,6 +435,20 @@ def check_alive(processes: list, advice: str = "close this engine and start a ne
     for rank, process in enumerate(processes, start=1):
         if not process.is_alive():
             raise worker_died(rank, process, advice)
+
+
+def check_no_process_group():
+    """Before a tensor-parallel engine starts: this process must hold no process group (one per process), and an
+    earlier engine's abort after a dead worker must have finished (waited for, up to ABORT_WAIT s)."""
+    if not COLLECTIVES_ABORT.acquire(timeout=ABORT_WAIT):
+        raise RuntimeError(f"an earlier engine in this process lost a GPU worker and NCCL has not torn its process "
+                           f"group down after {ABORT_WAIT:.0f} s; start a new process for a tensor-parallel engine")
+    COLLECTIVES_ABORT.release()
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a torch.distributed process group: another engine with "
+                           "tensor_parallel_size > 1 is running in it (close() it first), or one lost a GPU worker "
+                           "and NCCL could not tear its group down (start a new process). Engines in separate "
+                           "processes can run at once")
 
 
 def wait_for_workers(store, processes: list):

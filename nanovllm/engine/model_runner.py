@@ -12,6 +12,7 @@ pending reads it from there.
 import faulthandler
 import logging
 import os
+import threading
 from contextlib import contextmanager
 from multiprocessing.synchronize import Semaphore
 
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_SHARE = 0.25  # of available RAM, at most, for the cache on CPU
 ARRIVED = "nanovllm-workers-arrived"  # the rendezvous' count of workers that reached it
+DEVICE_FREE_TIMEOUT = 5  # s that rank 0 gives its GPU to finish after a worker died
 
 
 @contextmanager
@@ -120,24 +122,35 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        # with a worker gone, NCCL's kernels may wait for it until their communicator is aborted (the engine's
-        # watch does that): tearing down or waiting for the device could then hang, so this rank only lets go
-        stuck_device = self.device.type == "cuda" and not workers_alive
+        if self.device.type == "cuda" and not workers_alive:
+            # a worker is gone: the watch's abort lets NCCL's kernels that waited for it exit, but the abort
+            # itself may never return (on two H200s it still waited for the dead peer 30 s later, while the device
+            # was already idle), so the process group stays and the device is freed only if it answers in time
+            freed = threading.Thread(target=self._free_device, daemon=True, name="nanovllm-free-device")
+            freed.start()
+            freed.join(DEVICE_FREE_TIMEOUT)
+            if freed.is_alive():
+                logger.warning("the GPU did not finish its work within %d s of a worker's death: its memory stays "
+                               "held until this process exits", DEVICE_FREE_TIMEOUT)
+            return
+        self._free_device()
+        if dist.is_initialized():
+            if workers_alive:
+                dist.barrier()
+            dist.destroy_process_group()
+
+    def _free_device(self):
         # the graphs go first: NCCL does not destroy a communicator while a graph that captured its collectives
         # lives (destroy_process_group then hangs: pytorch issue 115388; seen on two H200s at bench.py's exit)
-        if self.graphs is not None and not stuck_device:
+        if self.graphs is not None:
             self.graphs.release()
         # give the GPU memory back now: compiled forwards make reference cycles that only a gc would break
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = self.graphs = None
-        if self.device.type == "cuda" and not stuck_device:
-            torch.cuda.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-        if dist.is_initialized() and not stuck_device:
-            if workers_alive:
-                dist.barrier()
-            dist.destroy_process_group()
 
     def abort_collectives(self):
         """From another thread, when a worker has died: a step waiting for the workers returns or raises (in an
