@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanovllm.layers import triton_moe  # noqa: E402
+from nanovllm.layers.triton_guard import triton_available  # noqa: E402
 from nanovllm.layers.moe import experts_torch, route  # noqa: E402
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -65,7 +66,7 @@ def main():
     parser.add_argument("--prefill", type=int, nargs="*", default=[4096])
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
-    if not triton_moe.triton_available():
+    if not triton_available():
         raise SystemExit("benchmarks/moe.py needs CUDA and Triton")
     torch.manual_seed(0)
     dev = dict(dtype=torch.bfloat16, device="cuda")

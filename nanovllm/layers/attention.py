@@ -139,7 +139,7 @@ def resolve_backend_name(name: str, device: str, dtype: torch.dtype, block_size:
     if device != "cuda":
         return "torch", None
     from nanovllm.layers.flash_attention import flash_attn_available, triton_decode_measured_faster
-    from nanovllm.layers.triton_attention import triton_available
+    from nanovllm.layers.triton_guard import triton_available
     family = flash_attn_available() if kv_cache_dtype != FP8_DTYPE and dtype != torch.float32 else None
     if family == "fa4":
         return ("triton-decode" if triton_available() and triton_decode_measured_faster() else "flash-attn"), None

@@ -92,7 +92,8 @@ class FlashAttnBackend(AttentionBackend):
         self._kernels = _import_family(family)[0]
         self._decode = None
         if triton_decode:
-            from nanovllm.layers.triton_attention import decode_attention, triton_available
+            from nanovllm.layers.triton_attention import decode_attention
+            from nanovllm.layers.triton_guard import triton_available
             if not triton_available():
                 raise ValueError("attention_backend='triton-decode' needs a working Triton")
             self.name, self._decode = "triton-decode", decode_attention

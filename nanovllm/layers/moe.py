@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers import triton_moe
+from nanovllm.layers.triton_guard import triton_available
 from nanovllm.layers.linear import ReplicatedLinear, copy_weight, divide, tp_shard
 from nanovllm.utils.parallel import tp_rank, tp_size
 
@@ -98,7 +99,7 @@ class StackedExperts(nn.Module):
             copy_weight(param.data[expert, offset:offset + n], tp_shard(loaded, 0, n, rank, tp))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and triton_moe.triton_available():
+        if x.is_cuda and triton_available():
             return triton_moe.fused_experts(x, self.gate_up_proj, self.down_proj, weights, expert_ids)
         return experts_torch(x, self.gate_up_proj, self.down_proj, weights, expert_ids)
 

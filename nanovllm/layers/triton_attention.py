@@ -28,7 +28,7 @@ import torch
 from nanovllm.layers import triton_kvstore
 from nanovllm.layers.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata
 
-from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton
+from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton, triton_available
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -135,10 +135,6 @@ if triton is not None:
         total = tl.sum(weight, 0)
         out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
-
-
-def triton_available() -> bool:
-    return triton is not None and torch.cuda.is_available()
 
 
 def decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:

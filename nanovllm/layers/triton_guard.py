@@ -1,6 +1,8 @@
 """Triton, imported under a guard: where it does not import or cannot initialise (a CPU-only machine without
 it), `triton` and `tl` are None and TRITON_ERROR says why; modules that define kernels still import, and only
 calling a kernel fails."""
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -9,3 +11,8 @@ except Exception as e:
     TRITON_ERROR: Exception | None = e
 else:
     TRITON_ERROR = None
+
+
+def triton_available() -> bool:
+    """Triton imports and a CUDA device is there to run its kernels."""
+    return triton is not None and torch.cuda.is_available()

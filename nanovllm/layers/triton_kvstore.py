@@ -47,10 +47,6 @@ if triton is not None:
         tl.store(v_cache_ptr + dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def triton_available() -> bool:
-    return triton is not None and torch.cuda.is_available()
-
-
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0):
     if triton is None:

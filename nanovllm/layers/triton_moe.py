@@ -93,10 +93,6 @@ if triton is not None:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=real_rows[:, None] & real_cols[None, :])
 
 
-def triton_available() -> bool:
-    return triton is not None and torch.cuda.is_available()
-
-
 def block_config(num_pairs: int, num_experts: int) -> dict:
     """Tile sizes by the mean number of pairs an expert gets: 16-row blocks and narrow tiles for decode, where
     the weights' bytes dominate and many programs keep the memory busy; 64 x 128 tiles for prefill's GEMMs."""
