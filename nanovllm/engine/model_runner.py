@@ -32,6 +32,8 @@ from nanovllm.layers.attention import Attention, AttentionMetadata, get_backend,
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.triton_guard import triton_available
+from nanovllm.layers.triton_sampler import make_rng_state
 from nanovllm.models import model_class
 from nanovllm.utils.loader import load_model
 
@@ -81,7 +83,9 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = self.backend
-        self.sampler = Sampler()
+        # on CUDA the plain rows' draws come from a counter on the device, so a CUDA graph can replay them
+        self.sampler = Sampler(make_rng_state(config.seed, self.device)
+                               if config.device == "cuda" and triton_available() else None)
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampled = torch.zeros(0, dtype=torch.int64, device=self.device)  # the last step's tokens
@@ -112,9 +116,9 @@ class ModelRunner:
         return name
 
     def compile_small_ops(self):
-        """Fuse the elementwise layers and the sampler with torch.compile (CUDA only), as nano-vllm does."""
-        for module in [*self.model.modules(), self.sampler]:
-            if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul, Sampler)):
+        """Fuse the elementwise layers with torch.compile (CUDA only), as nano-vllm does."""
+        for module in self.model.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
                 module.forward = torch.compile(module.forward, dynamic=True)
 
     # ---- tensor-parallel plumbing -------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """Sampling on the whole batch with tensor ops, one row per sampled sequence.
 
-`forward` is the fast path (plain temperature or greedy rows; compiled on CUDA). `sample` adds, per row:
-penalties, a `min_tokens` ban, min-p, top-k, top-p, per-request seeds and logprobs, in vLLM's order.
+`forward` is the fast path (plain temperature or greedy rows): one pass over the logits, argmax(logits / T -
+log E), on CUDA the Triton kernel of `triton_sampler.py` (which a decode CUDA graph captures). `sample` adds,
+per row: penalties, a `min_tokens` ban, min-p, top-k, top-p, per-request seeds and logprobs, in vLLM's order.
 Draws use the exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, with no host sync.
 """
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from nanovllm.layers.triton_sampler import sample_plain
 
 
 @dataclass
@@ -44,20 +47,23 @@ class SamplingBatch:
 
 class Sampler(nn.Module):
 
-    def __init__(self):
+    def __init__(self, rng_state: torch.Tensor | None = None):
+        """rng_state: [seed, step] int64 on a CUDA device (`triton_sampler.make_rng_state`): plain rows are then
+        drawn by the Triton kernel from that device counter. None: from the generator `forward` is given."""
         super().__init__()
+        self.rng_state = rng_state
         self.seeded_generator: torch.Generator | None = None
 
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor,
                 generator: torch.Generator | None = None) -> torch.Tensor:
         """Per-row temperature sampling; a temperature of 0 picks the argmax (greedy)."""
+        if self.rng_state is not None:
+            return sample_plain(logits, temperatures, self.rng_state)
         logits = logits.float()
         greedy = temperatures == 0
-        scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
-        probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs).exponential_(1, generator=generator)
-        sampled = probs.div_(noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        noise = torch.empty_like(logits).exponential_(1, generator=generator)
+        scores = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1) - noise.log_()
+        return torch.where(greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:

@@ -1,0 +1,127 @@
+"""The plain sampler (temperature or greedy rows) in one pass: argmax(logits / T - log E), E ~ Exp(1).
+
+The torch path (CPU) and the Triton kernel (CUDA; on CPU through Triton's interpreter, float32 and few draws,
+since it is slow) each draw from softmax(logits / T) (a chi-square test with fixed seeds: deterministic, and a
+wrong temperature, a wrong sign of the noise or reused random bits fail it by far), and take the exact argmax,
+the first of equal ones, for greedy rows. The torch path keeps the CPU's random stream: the same generator
+gives the tokens that the softmax sampler it replaces gave.
+"""
+import pytest
+import torch
+
+from nanovllm.layers import triton_sampler
+from nanovllm.layers.sampler import Sampler
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNEL_DRAWS = 20000 if DEVICE.type == "cuda" else 500  # the interpreter runs ~100 programs a second
+CHI2_LIMIT = {4: 25.0, 7: 30.0}  # by degrees of freedom: P(chi2 > limit) < 1e-4 for a right sampler
+
+needs_triton = pytest.mark.skipif(triton_sampler.triton is None, reason="Triton does not import here")
+
+
+def chi_square(draws: torch.Tensor, logits: torch.Tensor, temperature: float) -> float:
+    expected = torch.softmax(logits.double() / temperature, dim=0) * len(draws)
+    observed = torch.bincount(draws.cpu(), minlength=len(logits)).double()
+    return ((observed - expected) ** 2 / expected).sum().item()
+
+
+def tied_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Logits on a coarse grid, so rows hold ties, some of them between tiles of the kernel."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-4, 5, (rows, vocab), generator=gen).float()
+    logits[0, [3, vocab - 2]] = 9.0  # a tie between the first and the last tile: the first wins
+    return logits
+
+
+# ---- the torch path ---------------------------------------------------------------------------------
+def test_torch_path_draws_follow_softmax():
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.6, 0.2, -0.3, -0.8, -1.5])
+    temperature = 0.7
+    gen = torch.Generator().manual_seed(0)
+    draws = Sampler()(logits.expand(40000, -1), torch.full((40000,), temperature), gen)
+    assert chi_square(draws, logits, temperature) < CHI2_LIMIT[7]
+
+
+def test_torch_path_greedy_rows_are_exact_argmax():
+    logits = tied_logits(6, 50, seed=1)
+    temperatures = torch.tensor([0.0, 0.9, 0.0, 1.3, 0.0, 0.0])
+    draws = Sampler()(logits, temperatures, torch.Generator().manual_seed(1))
+    greedy = temperatures == 0
+    assert torch.equal(draws[greedy], logits[greedy].argmax(dim=1))
+    assert draws[0].item() == 3
+
+
+def test_torch_path_keeps_the_random_stream():
+    # the softmax sampler this one replaced: argmax(softmax(logits / T) / E), from the same generator's noise
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(500, 1000, generator=gen) * 3
+    temperatures = torch.rand(500, generator=gen) + 0.2
+    temperatures[::7] = 0
+    greedy = temperatures == 0
+    probs = torch.softmax(logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1), dim=-1)
+    noise = torch.empty_like(probs).exponential_(1, generator=torch.Generator().manual_seed(3))
+    before = torch.where(greedy, logits.argmax(dim=-1), probs.div_(noise).argmax(dim=-1))
+    now = Sampler()(logits, temperatures, torch.Generator().manual_seed(3))
+    assert torch.equal(now, before)
+
+
+# ---- the Triton kernel ------------------------------------------------------------------------------
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 16 tokens: a small vocabulary spans several groups of four tiles and a ragged last one."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(triton_sampler, "BLOCK", 16)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else []))
+def test_kernel_greedy_rows_are_exact_argmax(small_tiles, dtype):
+    vocab = 150 if DEVICE.type == "cpu" else 151936
+    wide = tied_logits(6, vocab + 8, seed=4).to(DEVICE, dtype)
+    logits = wide[:, :vocab]  # a row stride wider than the vocabulary, as a tensor-parallel LM head gives
+    temperatures = torch.tensor([0.0, 0.8, 0.0, 1.5, 0.0, 0.0], device=DEVICE)
+    rng_state = triton_sampler.make_rng_state(5, DEVICE)
+    draws = triton_sampler.sample_plain(logits, temperatures, rng_state)
+    greedy = temperatures == 0
+    assert torch.equal(draws[greedy], logits[greedy].float().argmax(dim=1))
+    assert draws[0].item() == 3
+    assert ((draws >= 0) & (draws < vocab)).all()
+    assert rng_state.tolist() == [5, 1]  # the step advanced on the device
+
+
+@needs_triton
+def test_kernel_draws_follow_softmax(small_tiles):
+    logits = torch.tensor([1.2, 0.9, 0.4, 0.0, -0.6])
+    temperature = 0.5  # far enough from 1 that 500 draws tell them apart
+    rng_state = triton_sampler.make_rng_state(6, DEVICE)
+    rows = KERNEL_DRAWS // 2
+    # two steps of the same rows: the second must draw afresh, not repeat the first
+    first, second = (triton_sampler.sample_plain(logits.to(DEVICE).expand(rows, -1),
+                                                 torch.full((rows,), temperature, device=DEVICE), rng_state)
+                     for _ in range(2))
+    assert chi_square(torch.cat([first, second]), logits, temperature) < CHI2_LIMIT[4]
+    assert (first != second).float().mean() > 0.4  # independent draws agree with p = sum(p_i^2) ~ 0.4
+
+
+@needs_triton
+def test_kernel_draws_come_from_seed_and_step(small_tiles):
+    logits = torch.zeros(8, 64, device=DEVICE)  # uniform: each draw is the noise alone
+    temperatures = torch.ones(8, device=DEVICE)
+    state = triton_sampler.make_rng_state(7, DEVICE)
+    first = triton_sampler.sample_plain(logits, temperatures, state)
+    second = triton_sampler.sample_plain(logits, temperatures, state)
+    assert not torch.equal(first, second)
+    state[1] = 0  # the same seed and step draw the same tokens
+    assert torch.equal(triton_sampler.sample_plain(logits, temperatures, state), first)
+    other_seed = triton_sampler.make_rng_state(8, DEVICE)
+    assert not torch.equal(triton_sampler.sample_plain(logits, temperatures, other_seed), first)
+    assert len(set(first.tolist())) > 4  # rows draw independently of each other
+
+
+@needs_triton
+def test_sampler_uses_the_kernel_when_given_a_device_counter(small_tiles):
+    logits = tied_logits(4, 40, seed=9).to(DEVICE)
+    temperatures = torch.tensor([0.0, 1.0, 0.0, 0.5], device=DEVICE)
+    expected = triton_sampler.sample_plain(logits, temperatures, triton_sampler.make_rng_state(3, DEVICE))
+    sampler = Sampler(triton_sampler.make_rng_state(3, DEVICE))
+    assert torch.equal(sampler(logits, temperatures), expected)
