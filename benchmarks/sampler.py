@@ -16,6 +16,8 @@ from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.step_output import StepOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.triton_guard import triton_available
+from nanovllm.layers.triton_sampler import make_rng_state
 
 
 def main():
@@ -48,7 +50,9 @@ def main():
     }
     logits = torch.randn(args.rows, args.vocab, device=device, dtype=torch.bfloat16 if device.type == "cuda"
                          else torch.float32)
-    sampler, generator = Sampler(), torch.Generator(device).manual_seed(0)
+    # as the engine: the plain path is the Triton kernel on CUDA
+    sampler = Sampler(make_rng_state(0, device) if device.type == "cuda" and triton_available() else None)
+    generator = torch.Generator(device).manual_seed(0)
     penalty_slots = PenaltySlots(args.vocab, 4096, args.rows, device)
     print(f"{args.rows} rows x {args.vocab} vocab on {device}")
     print(f"{'case':<26} {'build ms':>9} {'sample ms':>10}")

@@ -1,56 +1,101 @@
 """CUDA graphs for decode steps: one graph per batch size, sharing static buffers that each replay refills.
 
 A decode step of n sequences replays the graph of the smallest captured size >= n; its padding rows write no
-KV (slot -1) and read one slot of block 0. A graph records the model's forward and the logits of every row,
-so a decode step is one replay plus the sampler.
+KV (slot -1), read one slot of block 0 and sample greedily. A graph records, on rank 0 with a Triton sampler:
+- the input ids, where a sequence's token is still on the device (pending, sampled by the last step) read
+  from `tokens`, the last step's samples;
+- the model's forward and the logits of every row (kept for batches that are not plain);
+- the plain sampler over those logits at the static temperatures, into `tokens`: for a plain batch the
+  replay yields the sampled ids, and the next replay reads its pending tokens from there without a copy.
+The host fills every static input (ids, positions, slots, pending rows, context lengths, temperatures, block
+tables) with one host-to-device copy: they are views of one device buffer, laid out as its pinned mirror.
 """
+import math
+
+import numpy as np
 import torch
 
+from nanovllm.engine.staging import TORCH_DTYPES, Staging, aligned
+from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.layers.attention import AttentionMetadata
+from nanovllm.layers.triton_sampler import sample_plain
+
+# the static inputs, each [max_bs] (block tables last, [max_bs, max_blocks], so that a replay of bs rows copies
+# a prefix of the buffer), and the value of a padding row
+FIELDS = (("input_ids", np.int64, 0), ("positions", np.int64, 0), ("slot_mapping", np.int64, -1),
+          ("pending_rows", np.int64, -1), ("context_lens", np.int32, 1), ("temperatures", np.float32, 0))
 
 
 class DecodeGraphs:
 
     @torch.inference_mode()
-    def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device):
+    def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device,
+                 rng_state: torch.Tensor | None = None):
+        """rng_state: the plain sampler's device counter (`triton_sampler`); None records no sampler."""
         self.model = model
+        self.rng_state = rng_state
         max_bs = min(max_num_seqs, 512)
         # a full-length sequence's first decode needs max_model_len // block_size + 1 blocks
-        max_blocks = max_model_len // block_size + 1
+        self.max_blocks = max_model_len // block_size + 1
         self.max_model_len = max_model_len
         self.batch_sizes = sorted({*[b for b in (1, 2, 4, 8) if b < max_bs], *range(16, max_bs, 16), max_bs})
-        i32 = dict(dtype=torch.int32, device=device)
-        self.vars = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=device),
-            context_lens=torch.ones(max_bs, **i32),  # capture with a valid one-token context in block 0
-            block_tables=torch.zeros(max_bs, max_blocks, **i32),
-            cu_seqlens_q=torch.arange(max_bs + 1, **i32),
-        )
+        self.layout, start = {}, 0  # name: (byte offset, dtype, shape)
+        for name, dtype, shape in (*((name, dtype, (max_bs,)) for name, dtype, _ in FIELDS),
+                                   ("block_tables", np.int32, (max_bs, self.max_blocks))):
+            self.layout[name] = (start, np.dtype(dtype), shape)
+            start = aligned(start + np.dtype(dtype).itemsize * math.prod(shape))
+        self.inputs = torch.zeros(start, dtype=torch.uint8, device=device)
+        self.vars = self._views(self.inputs)
+        for name, _, pad in FIELDS:
+            self.vars[name].fill_(pad)  # capture with valid padding rows: a one-token context in block 0
+        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        # the last step's samples in, this step's out: any step samples at most max_num_seqs rows
+        self.tokens = torch.zeros(max(max_num_seqs, max_bs), dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max_bs, vocab] on rank 0; None on the other ranks
+        saved_rng_state = None if rng_state is None else rng_state.clone()
         pool = None
         for bs in reversed(self.batch_sizes):
             self._forward(bs)  # warm-up / compile
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self._forward(bs)
-            pool = pool or graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
+            self.graphs[bs], pool = self._capture(bs, pool)
+        if rng_state is not None:
+            rng_state.copy_(saved_rng_state)  # capturing draws nothing: the same draws with or without graphs
+
+    def _capture(self, bs: int, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+        """The graph of `_forward(bs)`, in the memory pool that every size shares."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            self._forward(bs)
+        torch.cuda.synchronize()
+        return graph, pool or graph.pool()
+
+    @property
+    def samples(self) -> bool:
+        """Replays of rank 0 yield the plain sampler's tokens."""
+        return self.rng_state is not None and self.logits is not None
+
+    def _views(self, buffer: torch.Tensor | np.ndarray) -> dict:
+        """The static inputs as views of uint8 `buffer`: the device buffer, or a host mirror of its layout."""
+        on_device = isinstance(buffer, torch.Tensor)
+        return {name: buffer[start:start + dtype.itemsize * math.prod(shape)]
+                .view(TORCH_DTYPES[dtype] if on_device else dtype).reshape(shape)
+                for name, (start, dtype, shape) in self.layout.items()}
 
     def _forward(self, bs: int):
         g = self.vars
+        pending = g["pending_rows"][:bs]
+        input_ids = torch.where(pending >= 0, self.tokens[pending.clamp(min=0)], g["input_ids"][:bs])
         meta = AttentionMetadata(slot_mapping=g["slot_mapping"][:bs], block_tables=g["block_tables"][:bs],
-                                 context_lens=g["context_lens"][:bs], cu_seqlens_q=g["cu_seqlens_q"][:bs + 1],
+                                 context_lens=g["context_lens"][:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
                                  max_seqlen_q=1, max_seqlen_k=self.max_model_len)
-        hidden_states = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
+        hidden_states = self.model(input_ids, g["positions"][:bs], meta)
         logits = self.model.compute_logits(hidden_states)
         if logits is not None:
             if self.logits is None:  # the largest batch comes first: its buffer serves every size
                 self.logits = torch.empty_like(logits)
             self.logits[:bs] = logits
+            if self.rng_state is not None:
+                sample_plain(logits, g["temperatures"][:bs], self.rng_state, out=self.tokens[:bs])
 
     def release(self):
         """Destroy the graphs now, not when a garbage collection finds them (see ModelRunner.exit)."""
@@ -61,19 +106,26 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_sizes[-1]
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-               ) -> torch.Tensor | None:
-        """The logits of a decode step (rank 0; None on the other ranks)."""
-        n = input_ids.size(0)
+    def replay(self, inputs: StepInputs, temperatures: np.ndarray | None, last_sampled: torch.Tensor,
+               staging: Staging) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run a decode step: (its logits, rank 0 only; its sampled tokens, when `temperatures` (one per row, a
+        plain batch) are given and the graph samples). `last_sampled`: the last step's samples."""
+        n = inputs.num_seqs
         bs = next(b for b in self.batch_sizes if b >= n)
-        g = self.vars
-        g["input_ids"][:n] = input_ids
-        g["positions"][:n] = positions
-        g["slot_mapping"][:bs].fill_(-1)  # padding rows write nothing
-        g["slot_mapping"][:n] = meta.slot_mapping
-        g["context_lens"][:bs].fill_(1)  # padding rows read one slot of block 0 and write nothing
-        g["context_lens"][:n] = meta.context_lens
-        g["block_tables"][:bs].zero_()  # no stale entries from an earlier, longer batch
-        g["block_tables"][:n, :meta.block_tables.size(1)] = meta.block_tables
+        nbytes = self.layout["block_tables"][0] + bs * self.max_blocks * 4  # the rows that this graph reads
+        host = self._views(staging.host(len(self.inputs)))
+        rows = dict(input_ids=inputs.input_ids, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
+                    pending_rows=inputs.pending_rows, context_lens=inputs.context_lens,
+                    temperatures=0 if temperatures is None else temperatures)
+        for name, _, pad in FIELDS:
+            host[name][:n] = rows[name]
+            host[name][n:bs] = pad
+        host["block_tables"][:bs] = 0  # no stale entries from an earlier, longer batch
+        host["block_tables"][:n, :inputs.block_tables.shape[1]] = inputs.block_tables
+        staging.send(nbytes, self.inputs[:nbytes])
+        if (inputs.pending_rows >= 0).any() and last_sampled.data_ptr() != self.tokens.data_ptr():
+            self.tokens[:len(last_sampled)] = last_sampled  # the last step sampled outside this graph
         self.graphs[bs].replay()
-        return None if self.logits is None else self.logits[:n]
+        if self.logits is None:
+            return None, None
+        return self.logits[:n], self.tokens[:n] if temperatures is not None and self.samples else None

@@ -2,7 +2,8 @@
 
 Rank 0 lives in the caller's process and drives the others: `call(method, *args)` sends the call through the
 shared-memory channel (`tp_channel.py`), then runs the same method itself. Workers sit in `loop()` until they
-are told to exit. Decode steps replay CUDA graphs (`cuda_graphs.py`).
+are told to exit. A step's inputs are built on the host (`step_inputs.py`) and go to the device in one copy
+(`staging.py`); decode steps replay CUDA graphs (`cuda_graphs.py`), which on rank 0 also sample a plain batch.
 
 `run` launches a step and returns without waiting for the device: rank 0 gets a `StepOutput` whose tokens
 arrive later. Every rank keeps the step's sampled tokens on the device (the workers receive them by a
@@ -23,15 +24,17 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.penalty_slots import PenaltySlots
-from nanovllm.engine.sampling_batch import build_sampling_batch
+from nanovllm.engine.sampling_batch import build_sampling_batch, is_plain
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.staging import Staging
+from nanovllm.engine.step_inputs import StepInputs, step_inputs
 from nanovllm.engine.step_output import StepOutput
 from nanovllm.engine.tp_channel import Channel
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata, get_backend, resolve_backend_name
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.layers.triton_guard import triton_available
 from nanovllm.layers.triton_sampler import make_rng_state
 from nanovllm.models import model_class
@@ -93,6 +96,7 @@ class ModelRunner:
         # KV cache may lower it below)
         self.penalty_slots = PenaltySlots(hf_config.vocab_size, config.max_model_len, config.max_num_seqs,
                                           self.device)
+        self.staging = Staging(self.device)  # a step's inputs go to the device in one copy
         if config.device == "cuda":
             self.compile_small_ops()
         self.graphs: DecodeGraphs | None = None
@@ -100,8 +104,10 @@ class ModelRunner:
         if config.device == "cuda":
             self.warmup_kernels()
         if config.device == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
+            # NANOVLLM_GRAPH_SAMPLER=0 leaves the sampler out of the graphs (for comparison and debugging)
+            sample_in_graph = os.environ.get("NANOVLLM_GRAPH_SAMPLER", "1") != "0"
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_model_len, self.block_size,
-                                       self.device)
+                                       self.device, self.sampler.rng_state if sample_in_graph else None)
 
         self.channel = Channel(shm_name, rank, semaphores) if self.world_size > 1 else None
         if self.world_size > 1 and rank:
@@ -261,75 +267,74 @@ class ModelRunner:
         self.run([decode])  # a decode-only step: backends may have a kernel of its own
 
     # ---- a step -------------------------------------------------------------------------------------
-    def prepare(self, seqs: list[Sequence]):
-        """Inputs and attention metadata of a varlen batch: each sequence computes its scheduled tokens."""
-        query_lens = np.array([seq.num_scheduled_tokens for seq in seqs], dtype=np.int64)
-        starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
-        context_lens = starts + query_lens
-        cu_seqlens_q = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu_seqlens_q[1:])
-        num_tokens = int(cu_seqlens_q[-1])
-        seq_index = np.repeat(np.arange(len(seqs)), query_lens)
-        positions = np.arange(num_tokens) - cu_seqlens_q[seq_index] + starts[seq_index]
-        input_ids = np.fromiter((t for seq in seqs for t in seq.scheduled_token_ids), np.int64, num_tokens)
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)  # padding is never read
-        for i, seq in enumerate(seqs):
-            block_tables[i, :len(seq.block_table)] = seq.block_table
-        if max_blocks:
-            blocks = block_tables[seq_index, positions // self.block_size].astype(np.int64)
-            slot_mapping = blocks * self.block_size + positions % self.block_size
-        else:  # warm-up: no cache yet
-            slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
-        samples = np.array([seq.samples_this_step for seq in seqs], dtype=bool)
-        logits_indices = cu_seqlens_q[1:][samples] - 1
-        pending_rows = np.fromiter((seq.pending_row for seq in seqs), np.int64, len(seqs))
-
-        to_device = self._to_device
+    def prepare(self, inputs: StepInputs, temperatures: np.ndarray | None):
+        """The device tensors of a varlen step, in one copy: input ids (a pending token read where the last step
+        sampled it), positions, attention metadata, logits indices, and the temperatures of a plain batch."""
+        pending = inputs.pending_rows >= 0
+        (input_ids, positions, slot_mapping, block_tables, context_lens, cu_seqlens_q, logits_indices,
+         pending_tokens, pending_rows, *plain) = self.staging.to_device(
+            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.context_lens,
+            inputs.cu_seqlens_q, inputs.logits_indices, inputs.cu_seqlens_q[1:][pending].astype(np.int64) - 1,
+            inputs.pending_rows[pending], *(() if temperatures is None else (temperatures,)))
         meta = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping),
-            block_tables=to_device(block_tables),
-            context_lens=to_device(context_lens.astype(np.int32)),
-            cu_seqlens_q=to_device(cu_seqlens_q.astype(np.int32)),
-            max_seqlen_q=int(query_lens.max()),
-            max_seqlen_k=int(context_lens.max()),
-            query_lens_host=query_lens.tolist(),
-            context_lens_host=context_lens.tolist(),
-        )
-        input_ids = to_device(input_ids)
-        pending = pending_rows >= 0
-        if pending.any():  # a pending token is its sequence's one scheduled token: read it where it was sampled
-            input_ids[to_device(cu_seqlens_q[1:][pending] - 1)] = self.sampled[to_device(pending_rows[pending])]
-        return input_ids, to_device(positions), meta, to_device(logits_indices)
+            slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
+            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=int(inputs.query_lens.max()),
+            max_seqlen_k=int(inputs.context_lens.max()), query_lens_host=inputs.query_lens.tolist(),
+            context_lens_host=inputs.context_lens.tolist())
+        if pending.any():  # a pending token is its sequence's one scheduled token
+            input_ids[pending_tokens] = self.sampled[pending_rows]
+        return input_ids, positions, meta, logits_indices, plain[0] if plain else None
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """One array on its own (the sampling controls of a batch that is not plain)."""
         t = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    def replay(self, inputs: StepInputs, temperatures: np.ndarray | None):
+        """A decode step by graph replay: its logits (rank 0), the tokens when the graph drew them, and the
+        temperatures of a plain batch on the device (the graph's inputs carried them)."""
+        num_samples = len(inputs.logits_indices)
+        if num_samples < inputs.num_seqs:  # a one-token chunk of a prompt samples nothing: the full sampler
+            temperatures = None
+        logits, sampled = self.graphs.replay(inputs, temperatures, self.sampled, self.staging)
+        if logits is not None and num_samples < inputs.num_seqs:
+            logits = logits[self._to_device(inputs.logits_indices)]
+        return logits, sampled, None if temperatures is None else self.graphs.vars["temperatures"][:num_samples]
+
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> StepOutput | None:
         """Launch the computation of the scheduled tokens of `seqs`; rank 0 returns the step's samples, one
         per sampling sequence, without waiting for them."""
-        input_ids, positions, meta, logits_indices = self.prepare(seqs)
-        num_samples = logits_indices.size(0)
-        if self.graphs is not None and meta.max_seqlen_q == 1 and self.graphs.fits(len(seqs)):
-            logits = self.graphs.replay(input_ids, positions, meta)
-            if logits is not None and num_samples < len(seqs):  # a one-token chunk of a prompt samples nothing
-                logits = logits[logits_indices]
+        inputs = step_inputs(seqs, self.block_size)
+        num_samples = len(inputs.logits_indices)
+        sampling = [seq for seq in seqs if seq.samples_this_step] if self.rank == 0 else []
+        temperatures = (np.array([seq.params.temperature for seq in sampling], dtype=np.float32)
+                        if sampling and is_plain(sampling) else None)
+        graph_step = self.graphs is not None and inputs.is_decode and self.graphs.fits(len(seqs))
+        if graph_step:
+            logits, sampled, temperatures = self.replay(inputs, temperatures)
         else:
+            input_ids, positions, meta, logits_indices, temperatures = self.prepare(inputs, temperatures)
             hidden_states = self.model(input_ids, positions, meta)
             logits = self.model.compute_logits(hidden_states[logits_indices]) if num_samples else None
+            sampled = None
         if self.rank == 0 and num_samples:
-            batch = build_sampling_batch([seq for seq in seqs if seq.samples_this_step], self.eos_token_ids,
-                                         logits.size(1), self._to_device, self.penalty_slots)
-            self.sampled, logprobs = self.sampler.sample(logits, batch, self.generator)
-            if batch.penalties is not None:
-                self.penalty_slots.append(batch.penalties, self.sampled)
-            output = StepOutput(self.sampled, logprobs, batch.num_logprobs)
-        else:
-            self.sampled = torch.empty(num_samples, dtype=torch.int64, device=self.device)
+            logprobs = num_logprobs = None
+            if sampled is None:  # a graph samples only a plain batch, which has no penalties
+                batch = (SamplingBatch(temperatures) if temperatures is not None else
+                         build_sampling_batch(sampling, self.eos_token_ids, logits.size(1), self._to_device,
+                                              self.penalty_slots))
+                sampled, logprobs = self.sampler.sample(logits, batch, self.generator)
+                if batch.penalties is not None:
+                    self.penalty_slots.append(batch.penalties, sampled)
+                num_logprobs = batch.num_logprobs
+            self.sampled = sampled
+            output = StepOutput(sampled, logprobs, num_logprobs)
+        else:  # the workers receive rank 0's samples; after a graph step, where the next replay reads them
+            self.sampled = (self.graphs.tokens[:num_samples] if graph_step else
+                            torch.empty(num_samples, dtype=torch.int64, device=self.device))
             output = StepOutput(self.sampled) if self.rank == 0 else None
         if self.world_size > 1 and num_samples:
             dist.broadcast(self.sampled, 0)  # the workers' next step may read pending tokens from it

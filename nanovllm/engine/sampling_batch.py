@@ -24,7 +24,7 @@ def build_sampling_batch(seqs: list[Sequence], eos_token_ids: frozenset[int], vo
         return to_device(np.array(values, dtype=dtype))
 
     batch = SamplingBatch(column([p.temperature for p in params]))
-    if all(seq.plain_sampling for seq in seqs):
+    if is_plain(seqs):
         return batch
     if any(p.top_k > 0 for p in params):
         batch.top_k = column([p.top_k if p.top_k > 0 else vocab_size for p in params], np.int64)
@@ -49,6 +49,11 @@ def build_sampling_batch(seqs: list[Sequence], eos_token_ids: frozenset[int], vo
     if any(p.logprobs is not None for p in params):
         batch.num_logprobs = [p.logprobs for p in params]
     return batch
+
+
+def is_plain(seqs: list[Sequence]) -> bool:
+    """Every row asks for temperature (or greedy) sampling only: the sampler's fast path."""
+    return all(seq.plain_sampling for seq in seqs)
 
 
 def token_mask(token_lists: list[list[int]], vocab_size: int, to_device: ToDevice) -> torch.Tensor:

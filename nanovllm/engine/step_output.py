@@ -21,6 +21,8 @@ class StepOutput:
                        for t in tensors]
             self._ready = torch.cuda.Event()
             self._ready.record()
+        else:  # a copy too: the tensors may be buffers that the next step refills (a decode graph's samples)
+            tensors = [t.clone() for t in tensors]
         self._tensors = tensors
 
     def result(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
