@@ -5,9 +5,10 @@ Contract, the same draws in law as `Sampler.forward`'s torch path:
 - temperatures: float32 [rows]; 0 takes the argmax (the first one, as torch.argmax does);
 - a row with temperature T > 0 draws argmax(logits / T - log E), E ~ Exp(1) for each token (the exponential
   race, a Gumbel-max draw): a draw from softmax(logits / T);
-- rng_state: int64 [2] on the logits' device, [seed, step]. Token j of row i at step s uses Philox with key
-  `seed` and counter (j // 4 in its group of four tiles, i, s): every draw is fresh, and `sample_plain` adds 1
-  to the step on the device after the kernel, so a CUDA graph that captured it needs no host value at replay.
+- rng_state: int64 [2] on the logits' device, [seed, step]. The noise of row i at step s comes from Philox with
+  key `seed` and counter (lane, i, s as two words), whose four output words serve four tiles: every draw is
+  fresh, and `sample_plain` adds 1 to the step on the device after the kernel, so a CUDA graph that captured it
+  needs no host value at replay.
 
 One program per row loops over the vocabulary in tiles; a launch is a fixed grid that a CUDA graph can capture.
 """
