@@ -69,7 +69,7 @@ class EagerGraphs(DecodeGraphs):
     """DecodeGraphs whose graphs run `_forward` eagerly at replay."""
 
     def _capture(self, bs, pool):
-        return SimpleNamespace(replay=partial(self._forward, bs)), pool
+        return SimpleNamespace(replay=partial(self._forward, bs), reset=lambda: None), pool
 
 
 class GraphMetaBackend(TorchBackend):
