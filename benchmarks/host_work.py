@@ -7,7 +7,10 @@ item 4), timed on CPU:
     iterates it, with the number of tokenizer decodes per token;
 (c) a sampling step of 256 sequences of 2,000 tokens (1,000 prompt, 1,000 output) over Qwen3's vocabulary:
     the build of the sampling batch and the sampler, plain temperature rows vs penalized ones (the penalties
-    must not cost a pass over every sequence's history at every step).
+    must not cost a pass over every sequence's history at every step);
+(d) what a tensor-parallel decode step of 256 sequences (contexts 100..1024) costs the channel: rank 0 pickles
+    the call, a worker unpickles it and builds the step's arrays. The workers now get the arrays
+    (`StepInputs`); posting the `Sequence`s, as before, is timed beside it.
 
     python benchmarks/host_work.py [--blocks 4400 131072] [--repeat 50] [--tokens 2000] [--steps 5]
 
@@ -15,6 +18,7 @@ item 4), timed on CPU:
 """
 import argparse
 import asyncio
+import pickle
 import random
 import statistics
 import threading
@@ -30,6 +34,7 @@ from nanovllm.engine.penalty_slots import PenaltySlots
 from nanovllm.engine.request import RequestHandle
 from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import step_inputs
 from nanovllm.layers.sampler import Sampler
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
@@ -164,6 +169,31 @@ def sampling_step_row(params: SamplingParams, num_seqs: int, num_steps: int, rng
     return {"build": median_ms(build), "sample": median_ms(sample)}
 
 
+def channel_rows(num_seqs: int, repeat: int, rng: random.Random) -> dict:
+    """Median us per decode step: (pickle, unpickle + build the arrays) for each way of posting it."""
+    seqs = []
+    for i in range(num_seqs):
+        seq = Sequence([rng.randrange(VOCAB) for _ in range(rng.randint(100, 1024))], SamplingParams())
+        seq.block_table = list(range(i * 8, i * 8 + seq.num_tokens // 256 + 1))
+        seq.num_computed_tokens, seq.num_scheduled_tokens = seq.num_tokens - 1, 1
+        seqs.append(seq)
+
+    def us(fn) -> float:
+        timings = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            timings.append(time.perf_counter() - start)
+        return statistics.median(timings) * 1e6
+
+    inputs = step_inputs(seqs, 256)  # rank 0 builds them for its own step either way
+    as_seqs, as_inputs = pickle.dumps(["run", seqs]), pickle.dumps(["run_step", inputs])
+    return {"sequences": (us(lambda: pickle.dumps(["run", seqs])),
+                          us(lambda: step_inputs(pickle.loads(as_seqs)[1], 256)), len(as_seqs)),
+            "step inputs": (us(lambda: pickle.dumps(["run_step", inputs])), us(lambda: pickle.loads(as_inputs)),
+                            len(as_inputs))}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", type=int, nargs="+", default=[4400, 131072])
@@ -200,6 +230,11 @@ def main():
         plain_ms = plain_ms or step_ms
         print(f"{name:>22} | {row['build']:>8.1f} | {row['sample']:>8.1f} | {step_ms:>8.1f} | "
               f"{step_ms / plain_ms:>7.2f}")
+
+    print(f"\ntensor-parallel channel, a decode step of 256 sequences, median of {args.repeat} (us)")
+    print(f"{'posted as':>22} | {'rank 0 pickles':>14} | {'worker unpickles + builds':>25} | {'bytes':>7}")
+    for name, (post, take, size) in channel_rows(256, args.repeat, rng).items():
+        print(f"{name:>22} | {post:>14.1f} | {take:>25.1f} | {size:>7}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def main():
         t0 = time.perf_counter()
         seqs = scheduler.schedule()
         t1 = time.perf_counter()
-        tokens, _ = llm.model_runner.call("run", seqs).result()
+        tokens, _ = llm.model_runner.run(seqs).result()
         t2 = time.perf_counter()
         scheduler.postprocess(seqs, tokens)
         t3 = time.perf_counter()

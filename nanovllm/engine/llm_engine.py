@@ -245,7 +245,7 @@ class LLMEngine:
 
     def _launch(self, seqs: list[Sequence], num_prefill: int, num_decode: int) -> "Step":
         sampled = [seq for seq in seqs if seq.samples_this_step]
-        output = self.model_runner.call("run", seqs)
+        output = self.model_runner.run(seqs)
         return Step(sampled, self.scheduler.launched(seqs), output, num_prefill, num_decode, perf_counter())
 
     def _complete(self, step: "Step") -> list[Sequence]:
