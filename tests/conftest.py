@@ -141,6 +141,12 @@ def kill_worker_while_decoding(llm, prompts, params, settle: float = 0.2) -> tup
     return thread, outcome, time.monotonic()
 
 
+def shm_segments(pid: int | None = None) -> list[str]:
+    """The shared-memory segments of the engines that process `pid` (this one by default) made and has not
+    removed (named per rank-0 process, so that tests running beside it do not count)."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"nanovllm-{pid or os.getpid()}-")]
+
+
 def in_processes(target, *args, copies: int = 2) -> list:
     """`target(*args, queue)` in `copies` spawned processes at once; what each put on its queue (in the order
     they finished). Each must exit cleanly."""

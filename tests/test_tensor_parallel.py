@@ -13,16 +13,12 @@ import nanovllm.engine.tp_channel as tp_channel
 from nanovllm import SamplingParams
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 from tests.conftest import (assert_greedy_matches_hf, in_background, in_processes, kill_worker_while_decoding,
-                            within)
+                            shm_segments, within)
 
 LLM = functools.partial(nanovllm.LLM, device="cpu")  # gloo, also on a machine with GPUs (their tests: test_gpu_*)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[7] * 3, list(range(3, 60)), list(range(100, 230)), list(range(3, 60)) + [9, 9]]
-
-
-def our_shm_segments() -> list[str]:
-    return [name for name in os.listdir("/dev/shm") if name.startswith(f"nanovllm-{os.getpid()}-")]
 
 
 def generate_twice(llm: LLM) -> list[dict]:
@@ -34,13 +30,13 @@ def test_tp2_equals_tp1_and_hf(tiny_model, hf_model):
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         expected = generate_twice(llm)
     with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2, max_num_batched_tokens=64) as llm:
-        assert len(llm.processes) == 1 and our_shm_segments()
+        assert len(llm.processes) == 1 and shm_segments()
         got = generate_twice(llm)
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in expected]
     assert [o["num_cached_tokens"] for o in got] == [0, 48, 128, 48]
     for prompt, out in zip(PROMPTS, got):
         assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
-    assert our_shm_segments() == []
+    assert shm_segments() == []
 
 
 def test_tp2_sampling_controls_equal_tp1(tiny_model):
@@ -84,11 +80,11 @@ def test_message_buffer_grows(tiny_model, monkeypatch):
     with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2) as llm:
         out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert llm.model_runner.channel.shm.size > 256
-        assert len(our_shm_segments()) == 1  # the outgrown buffers are gone
+        assert len(shm_segments()) == 1  # the outgrown buffers are gone
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
             [o["token_ids"] for o in out]
-    assert our_shm_segments() == []
+    assert shm_segments() == []
 
 
 def _slow_worker(name: str, semaphores, queue):
@@ -166,7 +162,7 @@ def test_killed_worker_is_an_error_not_a_hang(tiny_model):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert time.monotonic() - start < 5
     llm.close()
-    assert our_shm_segments() == []
+    assert shm_segments() == []
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
@@ -188,7 +184,7 @@ def test_a_worker_that_dies_while_starting_is_an_error_not_a_hang(tiny_model):
         within(30, LLM, tiny_model, tensor_parallel_size=2)
     with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2) as llm:  # and the next engine starts
         assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
-    assert our_shm_segments() == []
+    assert shm_segments() == []
 
 
 def test_a_worker_that_crashes_in_native_code_says_where(tiny_model, capfd):
@@ -230,15 +226,15 @@ def test_a_new_tp_engine_waits_for_an_earlier_ones_collectives_abort(tiny_model,
 
 def _engine_in_a_process(model: str, queue):
     with LLM(model, kvcache_block_size=16, tensor_parallel_size=2) as llm:
-        queue.put([o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
+        token_ids = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    queue.put((token_ids, shm_segments()))
 
 
 def test_two_engines_at_once_on_one_host(tiny_model):
     results = in_processes(_engine_in_a_process, tiny_model)
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         expected = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert results == [expected, expected]
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("nanovllm-")]
+    assert results == [(expected, [])] * 2  # and neither left shared memory behind
 
 
 def test_worker_killed_mid_generate_fails_it_within_5s(tiny_model, monkeypatch):
@@ -253,7 +249,7 @@ def test_worker_killed_mid_generate_fails_it_within_5s(tiny_model, monkeypatch):
     start = time.monotonic()
     llm.close()
     assert time.monotonic() - start < 15
-    assert our_shm_segments() == []
+    assert shm_segments() == []
 
 
 def test_a_step_stuck_in_a_collective_is_freed_when_a_worker_dies(tiny_model):
@@ -285,4 +281,4 @@ def test_a_step_stuck_in_a_collective_is_freed_when_a_worker_dies(tiny_model):
     start = time.monotonic()
     llm.close()
     assert time.monotonic() - start < 15
-    assert our_shm_segments() == []
+    assert shm_segments() == []
