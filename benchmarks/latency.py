@@ -2,7 +2,10 @@
 
 Requests arrive at `--rate` per second (exponential gaps, seed 0) with prompt lengths uniform in 100..1024 and
 output lengths uniform in 100..`--max-output-len` (or all of it, when that is below 100); each is streamed with `LLM.stream`. Reports time to first
-token (TTFT) and inter-token latency (ITL), p50 and p99, for each policy.
+token (TTFT) and inter-token latency (ITL), p50 and p99, for each policy. Below the table, for each policy: the
+slowest steps of the timed run (wall time, prefill and decode tokens), and how many kernels compiled during it
+(flash-attn-4's cache of compiled kernels and torch.compile's frames): a tail that comes from a compile mid-serving
+shows there.
 
     python benchmarks/latency.py [--model PATH] [--num-requests 200] [--rate 20]
 """
@@ -22,10 +25,10 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-async def one_request(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, list[float]]:
+async def one_request(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, list[float], float]:
     start = time.perf_counter()
     times = [time.perf_counter() async for _ in llm.stream(prompt, params)]
-    return times[0] - start, [b - a for a, b in zip(times, times[1:])]
+    return times[0] - start, [b - a for a, b in zip(times, times[1:])], start
 
 
 async def drive(llm: LLM, requests, rate: float, seed: int):
@@ -35,6 +38,31 @@ async def drive(llm: LLM, requests, rate: float, seed: int):
         tasks.append(asyncio.create_task(one_request(llm, prompt, params)))
         await asyncio.sleep(rng.expovariate(rate))
     return await asyncio.gather(*tasks)
+
+
+def compiled_kernels() -> int:
+    """Kernels compiled so far in this process by flash-attn-4 and torch.compile (what can compile mid-serving)."""
+    count = 0
+    try:
+        from flash_attn.cute import interface
+        count += len(interface._flash_attn_fwd.compile_cache)
+    except Exception:  # flash-attn-4 is not installed, or keeps its cache elsewhere
+        pass
+    from torch._dynamo.utils import counters
+    return count + counters["stats"]["unique_graphs"]
+
+
+def trace_steps(llm: LLM) -> list:
+    """Records (wall s, prefill tokens, decode tokens) of every step the engine's loop takes from now on."""
+    steps, step = [], llm._step
+
+    def timed():
+        start = time.perf_counter()
+        result = step()
+        steps.append((time.perf_counter() - start, result[1], result[2]))
+        return result
+    llm._step = timed
+    return steps
 
 
 def main():
@@ -51,25 +79,37 @@ def main():
     requests = [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))],
                  SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(min(100, args.max_output_len), args.max_output_len)))
                 for _ in range(args.num_requests)]
-    rows = []
+    rows, notes = [], []
     for prefill_first in (False, True):
         with LLM(path, prefill_first=prefill_first) as llm:
             # a short burst first: every kind of step has run (and compiled) before the clock starts
             warmup = [(prompt, SamplingParams(max_tokens=8, ignore_eos=True)) for prompt, _ in requests[:16]]
             asyncio.run(drive(llm, warmup, 4 * args.rate, seed=1))
+            compiled, steps = compiled_kernels(), trace_steps(llm)
             t = time.perf_counter()
             results = asyncio.run(drive(llm, requests, args.rate, seed=0))
             elapsed = time.perf_counter() - t
+            compiled = compiled_kernels() - compiled
         ttft = [r[0] for r in results]
         itl = [gap for r in results for gap in r[1]]
         tokens = sum(len(r[1]) + 1 for r in results)
-        rows.append((("prefill-first" if prefill_first else "mixed"), percentile(ttft, 50), percentile(ttft, 99),
-                     percentile(itl, 50), percentile(itl, 99), tokens / elapsed))
+        name = "prefill-first" if prefill_first else "mixed"
+        rows.append((name, percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50), percentile(itl, 99),
+                     tokens / elapsed))
+        slowest = sorted(steps, reverse=True)[:5]
+        notes.append(f"{name}: {len(steps)} steps, {compiled} kernels compiled during the run; slowest steps "
+                     f"(ms, prefill tokens, decode tokens): " +
+                     ", ".join(f"({s * 1e3:.0f}, {p}, {d})" for s, p, d in slowest))
+        late = sorted(zip(results, requests), key=lambda x: -x[0][0])[:5]
+        notes.append(f"{name}: slowest first tokens (ms, arrival s, prompt tokens, output tokens): " +
+                     ", ".join(f"({r[0] * 1e3:.0f}, {r[2] - t:.2f}, {len(p)}, {len(r[1]) + 1})"
+                               for r, (p, _) in late))
     print(f"{args.num_requests} requests at {args.rate}/s")
     print("| steps | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | output tok/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, t50, t99, i50, i99, tps in rows:
         print(f"| {name} | {t50 * 1e3:.0f} ms | {t99 * 1e3:.0f} ms | {i50 * 1e3:.1f} ms | {i99 * 1e3:.1f} ms | {tps:.0f} |")
+    print("\n".join(notes))
 
 
 if __name__ == "__main__":
