@@ -82,9 +82,9 @@ class GraphMetaBackend(TorchBackend):
         return super().forward(q, k, v, k_cache, v_cache, meta, *args)
 
 
-def as_on_cuda(llm: LLM, graphs: bool, sample_in_graph: bool = True):
+def as_on_cuda(llm: LLM, graphs: bool, sample_in_graph: bool = True, graphs_up_to: int | None = None):
     """Give the engine's runner what it has on CUDA: the Triton sampler's device counter, packed inputs and,
-    when `graphs`, decode graphs (eager ones)."""
+    when `graphs`, decode graphs (eager ones), for batches up to `graphs_up_to` (max_num_seqs)."""
     runner, config = llm.model_runner, llm.config
     runner.sampler.rng_state = make_rng_state(config.seed, CPU)
     runner.staging = Staging(CPU, pack=True)
@@ -92,17 +92,18 @@ def as_on_cuda(llm: LLM, graphs: bool, sample_in_graph: bool = True):
     for layer in runner.attn_layers:
         layer.backend = backend
     if graphs:
-        runner.graphs = EagerGraphs(runner.model, config.max_num_seqs, config.max_model_len, runner.block_size,
-                                    CPU, runner.sampler.rng_state if sample_in_graph else None)
+        runner.graphs = EagerGraphs(runner.model, graphs_up_to or config.max_num_seqs, config.max_model_len,
+                                    runner.block_size, CPU, runner.sampler.rng_state if sample_in_graph else None)
     return llm
 
 
-def generate(tiny_model, batch, params, graphs: bool, sample_in_graph: bool = True, **engine_args):
+def generate(tiny_model, batch, params, graphs: bool, sample_in_graph: bool = True, graphs_up_to: int = 8,
+             **engine_args):
     with LLM(tiny_model, device="cpu", kvcache_block_size=16, max_num_seqs=8, **engine_args) as llm:
-        as_on_cuda(llm, graphs, sample_in_graph)
+        as_on_cuda(llm, graphs, sample_in_graph, graphs_up_to)
         outputs = [o["token_ids"] for o in llm.generate(batch, params, use_tqdm=False)]
         if graphs:
-            assert llm.model_runner.graphs.batch_sizes == [1, 2, 4, 8]
+            assert llm.model_runner.graphs.batch_sizes == [1, 2, 4, 8][:graphs_up_to.bit_length()]
     return outputs
 
 
@@ -116,6 +117,15 @@ def test_graph_replays_equal_eager_steps(tiny_model, sample_in_graph):
               for i in range(len(batch))]
     expected = generate(tiny_model, batch, params, graphs=False)
     assert generate(tiny_model, batch, params, graphs=True, sample_in_graph=sample_in_graph) == expected
+
+
+@needs_interpreter
+def test_decode_batches_wider_than_every_graph_run_eagerly(tiny_model):
+    # graphs for up to 4 sequences (on CUDA: 512 at most) under max_num_seqs=8: decode steps of 5-7 run eagerly
+    batch = prompts(7, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert generate(tiny_model, batch, params, graphs=True, graphs_up_to=4) == generate(tiny_model, batch, params,
+                                                                                         graphs=False)
 
 
 @needs_interpreter

@@ -256,8 +256,9 @@ def test_a_step_stuck_in_a_collective_is_freed_when_a_worker_dies(tiny_model):
     # NCCL's collectives do not fail when a peer dies (gloo's do): rank 0's step waits forever. Here the step
     # waits on an Event that only the engine's watch over its workers can set, as it aborts NCCL's collectives.
     llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
-    collectives_aborted, in_step = threading.Event(), threading.Event()
-    llm._watch.abort_collectives = collectives_aborted.set
+    collectives_aborted, in_step, failed_first = threading.Event(), threading.Event(), []
+    # the watch fails the requests before it frees the step: a freed collective's results are garbage
+    llm._watch.abort_collectives = lambda: (failed_first.append(llm._loop.error), collectives_aborted.set())
     run = llm.model_runner.run
 
     def stuck_run(seqs):
@@ -275,6 +276,7 @@ def test_a_step_stuck_in_a_collective_is_freed_when_a_worker_dies(tiny_model):
     thread.join(5)
     assert not thread.is_alive(), "generate still blocked 5 s after the worker died"
     assert time.monotonic() - killed < 5 and collectives_aborted.is_set()
+    assert len(failed_first) == 1 and "worker rank 1" in str(failed_first[0])
     assert "worker rank 1" in str(outcome.get("error")) and "died" in str(outcome["error"])
     with pytest.raises(RuntimeError, match="worker rank 1 .* died"):
         llm.submit(PROMPTS[0])
