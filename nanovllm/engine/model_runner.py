@@ -2,8 +2,9 @@
 
 Rank 0 lives in the caller's process and drives the others: `call(method, *args)` sends the call through the
 shared-memory channel (`tp_channel.py`), then runs the same method itself. Workers sit in `loop()` until they
-are told to exit. A step's inputs are built on the host (`step_inputs.py`) and go to the device in one copy
-(`staging.py`); decode steps replay CUDA graphs (`cuda_graphs.py`), which on rank 0 also sample a plain batch.
+are told to exit. A step's inputs are built on the host (`step_inputs.py`), posted to the workers as those
+arrays (`run_step`), and go to the device in one copy (`staging.py`); decode steps replay CUDA graphs
+(`cuda_graphs.py`), which on rank 0 also sample a plain batch.
 
 `run` launches a step and returns without waiting for the device: rank 0 gets a `StepOutput` whose tokens
 arrive later. Every rank keeps the step's sampled tokens on the device (the workers receive them by a
