@@ -19,7 +19,9 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.engine.staging import Staging
+from nanovllm.engine.step_inputs import step_inputs
 from nanovllm.layers.attention import TorchBackend
 from nanovllm.layers.triton_sampler import make_rng_state, triton
 from tests.test_overlap import mixed_params, same_outputs
@@ -48,6 +50,42 @@ def test_staging_packs_arrays_into_one_buffer():
             assert np.array_equal(t.numpy(), a)
         tensors[0].fill_(-1)  # views of one packed copy: no piece overlaps another
         assert np.array_equal(tensors[1].numpy(), arrays[1])
+
+
+def test_staging_waits_for_a_buffers_last_copy_before_refilling():
+    class FakeEvent:  # CPU has no events: stand-ins that record which buffer's copy a refill waited for
+        def __init__(self, i):
+            self.i = i
+
+        def synchronize(self):
+            waited.append(self.i)
+
+    waited = []
+    staging = Staging(CPU, pack=True)
+    staging.events = [FakeEvent(0), FakeEvent(1)]
+    for step in range(4):
+        staging.to_device(np.arange(4 + step))
+        assert waited == [0, 1, 0, 1][:step + 1]  # each refill waits for that buffer's own last copy
+
+
+def test_step_inputs_of_a_mixed_batch():
+    """Blocks of 4: a prompt chunk that crosses a block edge and samples nothing, a decode whose token is
+    pending (row 1 of the last step's samples), and a prompt's last chunk."""
+    chunk = Sequence(list(range(10, 20)))
+    chunk.block_table, chunk.num_computed_tokens, chunk.num_scheduled_tokens = [7, 2, 5], 3, 5
+    decode = Sequence([1, 2, 3, 4, 5])
+    decode.append_pending(1)
+    decode.block_table, decode.num_computed_tokens, decode.num_scheduled_tokens = [0, 9], 5, 1
+    last = Sequence(list(range(30, 36)))
+    last.block_table, last.num_computed_tokens, last.num_scheduled_tokens = [3, 6], 4, 2
+    inputs = step_inputs([chunk, decode, last], block_size=4)
+    expected = dict(input_ids=[13, 14, 15, 16, 17, PENDING, 34, 35], positions=[3, 4, 5, 6, 7, 5, 4, 5],
+                    slot_mapping=[31, 8, 9, 10, 11, 37, 24, 25], block_tables=[[7, 2, 5], [0, 9, 0], [3, 6, 0]],
+                    context_lens=[8, 6, 6], query_lens=[5, 1, 2], cu_seqlens_q=[0, 5, 6, 8], logits_indices=[5, 7],
+                    pending_rows=[-1, 1, -1])
+    assert {name: getattr(inputs, name).tolist() for name in expected} == expected
+    assert not inputs.is_decode and inputs.num_seqs == 3
+    assert step_inputs([decode], block_size=4).is_decode
 
 
 @pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=40, num_kvcache_blocks=14)],
