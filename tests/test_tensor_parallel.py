@@ -187,6 +187,29 @@ def test_a_worker_that_dies_while_starting_is_an_error_not_a_hang(tiny_model):
     assert shm_segments() == []
 
 
+def test_a_worker_that_dies_while_rank_0_warms_up_is_named(tiny_model, monkeypatch):
+    # after the rendezvous: rank 0 is loading or in a collective (with NCCL it would wait there for good; the
+    # engine's start-up watch aborts the collectives). The error names the worker, and the process can start
+    # another engine: the failed one's process group is gone
+    from nanovllm.engine.model_runner import ModelRunner
+    allocate = ModelRunner.allocate_kv_cache
+
+    def worker_dies_first(runner):
+        (worker,) = set(mp.active_children()) - before  # the engine's one worker
+        worker.kill()
+        worker.join(10)
+        return allocate(runner)
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", worker_dies_first)  # rank 0's only: workers are spawned
+    before = set(mp.active_children())
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1 .* died with exit code -9"):
+        LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
+    assert time.monotonic() - started < 60
+    monkeypatch.undo()
+    with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
+
+
 def test_a_worker_that_crashes_in_native_code_says_where(tiny_model, capfd):
     with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2) as llm:
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
@@ -258,7 +281,7 @@ def test_a_step_stuck_in_a_collective_is_freed_when_a_worker_dies(tiny_model):
     llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
     collectives_aborted, in_step, failed_first = threading.Event(), threading.Event(), []
     # the watch fails the requests before it frees the step: a freed collective's results are garbage
-    llm._watch.abort_collectives = lambda: (failed_first.append(llm._loop.error), collectives_aborted.set())
+    llm.model_runner.abort_collectives = lambda: (failed_first.append(llm._loop.error), collectives_aborted.set())
     run = llm.model_runner.run
 
     def stuck_run(seqs):

@@ -10,6 +10,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing import connection
 from time import perf_counter
 
@@ -21,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ARRIVED, ModelRunner
+from nanovllm.engine.model_runner import ARRIVED, ModelRunner, abort_process_group
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.sequence import Sequence
@@ -61,19 +62,30 @@ class LLMEngine:
             process.start()
             self.processes.append(process)
             semaphores.append(pair)
+        # a worker that dies while rank 0 loads and warms up may leave rank 0 in an NCCL collective for good
+        start_watch = WorkerWatch(self.processes, lambda _: abort_process_group())
         try:
             if store is not None:
                 wait_for_workers(store, self.processes)
             self.model_runner = ModelRunner(config, 0, semaphores, dist_port, shm_name, store)
-        except BaseException:
+            check_alive(self.processes, "its own error output says why")  # (a freed collective returns garbage)
+        except BaseException as error:
+            dead = next(((rank, p) for rank, p in enumerate(self.processes, start=1) if not p.is_alive()), None)
             stop_workers(self.processes)
+            if dist.is_initialized() and dist.get_backend() == "gloo":  # (NCCL's may hang: the watch aborted it)
+                dist.destroy_process_group()
+            if dead is not None and not isinstance(error, WorkerDied):
+                raise worker_died(*dead, "its own error output says why") from error
             raise
+        finally:
+            start_watch.stop()
         self.scheduler = Scheduler(config, on_release=self.model_runner.penalty_slots.release)
         self._in_flight: Step | None = None  # launched, its tokens not yet accounted for
         self._last_completed = 0.0
         self._throughput: dict[str, str] = {}
         self._loop = EngineLoop(self)
-        self._watch = WorkerWatch(self.processes, self._loop, self.model_runner.abort_collectives)
+        self._watch = WorkerWatch(self.processes, partial(fail_and_abort, self._loop, self.model_runner,
+                                                          self.processes))
         # runs once: on close(), when the engine is garbage-collected, or at interpreter exit; it holds the
         # runner and the requests but not the engine, so a dropped engine frees its memory and workers
         self._finalizer = weakref.finalize(self, shutdown, self._loop, self._watch, self.model_runner,
@@ -390,12 +402,12 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
 
 class WorkerWatch:
     """Rank 0's watch over the tensor-parallel workers. When one dies, a step may wait forever in a collective
-    (NCCL's kernels spin on the GPU for a peer that is gone, and the host waits on them): this thread fails
-    every request and later call at once, naming the worker, then aborts the collectives so that the stuck
-    step returns and `close()` can tear down."""
+    (NCCL's kernels spin on the GPU for a peer that is gone, and the host waits on them): this thread calls
+    `on_death(rank)` at once, which fails every request and later call, naming the worker, and aborts the
+    collectives (`fail_and_abort`), or while the engine starts, aborts them only."""
 
-    def __init__(self, processes: list, loop: EngineLoop, abort_collectives):
-        self.processes, self.loop, self.abort_collectives = processes, loop, abort_collectives
+    def __init__(self, processes: list, on_death):
+        self.processes, self.on_death = processes, on_death
         self._stop_reader, self._stop_writer = mp.get_context("spawn").Pipe(duplex=False)
         self.thread = None
         if processes:
@@ -407,10 +419,8 @@ class WorkerWatch:
         ready = connection.wait([*sentinels, self._stop_reader])
         if self._stop_reader in ready:
             return
-        rank = sentinels[ready[0]]
         with COLLECTIVES_ABORT:
-            self.loop.fail(worker_died(rank, self.processes[rank - 1]))
-            self.abort_collectives()
+            self.on_death(sentinels[ready[0]])
 
     def stop(self):
         """Before the workers exit on purpose. (A watch that fired may be stuck in the abort: not waited for.)"""
@@ -421,12 +431,23 @@ class WorkerWatch:
         self._stop_writer.close()
 
 
-def worker_died(rank: int, process, advice: str = "close this engine and start a new one") -> RuntimeError:
+def fail_and_abort(loop: EngineLoop, model_runner: ModelRunner, processes: list, rank: int):
+    """A running engine's answer to a dead worker: its requests fail first, since a collective that the abort
+    frees returns garbage."""
+    loop.fail(worker_died(rank, processes[rank - 1]))
+    model_runner.abort_collectives()
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+def worker_died(rank: int, process, advice: str = "close this engine and start a new one") -> WorkerDied:
     """The error for a worker process that has exited."""
     deadline = time.monotonic() + 1
     while process.exitcode is None and time.monotonic() < deadline:  # another thread may be reaping it
         time.sleep(0.005)
-    return RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
+    return WorkerDied(f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
                         f"{process.exitcode}; {advice}")
 
 

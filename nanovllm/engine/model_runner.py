@@ -48,6 +48,13 @@ ARRIVED = "nanovllm-workers-arrived"  # the rendezvous' count of workers that re
 DEVICE_FREE_TIMEOUT = 5  # s that rank 0 gives its GPU to finish after a worker died
 
 
+def abort_process_group():
+    """Free whatever waits in an NCCL collective for a peer that died (it returns garbage), and end the group.
+    gloo's collectives fail on their own."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+
+
 @contextmanager
 def default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
@@ -170,8 +177,7 @@ class ModelRunner:
         channel = self.channel
         if channel is not None:
             channel.abort()
-        if self.config.device == "cuda" and dist.is_initialized():
-            dist.distributed_c10d._abort_process_group()
+        abort_process_group()
 
     def describe(self) -> list[dict]:
         """Every rank's device, captured decode graphs and channel traffic (rank 0 gathers them)."""
