@@ -141,6 +141,20 @@ def kill_worker_while_decoding(llm, prompts, params, settle: float = 0.2) -> tup
     return thread, outcome, time.monotonic()
 
 
+def kill_the_worker_as_rank_0_sizes_its_cache(monkeypatch):
+    """The next engine's one tensor-parallel worker dies after the rendezvous, while rank 0 is starting (sizing
+    its KV cache, and then in a collective). Only rank 0 runs this: the workers are spawned processes."""
+    from nanovllm.engine.model_runner import ModelRunner
+    allocate, before = ModelRunner.allocate_kv_cache, set(multiprocessing.active_children())
+
+    def worker_dies_first(runner):
+        (worker,) = set(multiprocessing.active_children()) - before
+        worker.kill()
+        worker.join(10)
+        return allocate(runner)
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", worker_dies_first)
+
+
 def shm_segments(pid: int | None = None) -> list[str]:
     """The shared-memory segments of the engines that process `pid` (this one by default) made and has not
     removed (named per rank-0 process, so that tests running beside it do not count)."""

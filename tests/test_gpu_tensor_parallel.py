@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from tests.conftest import (OnCuda, assert_greedy_matches_hf, in_processes, kill_worker_while_decoding, shm_segments,
-                            within)
+from tests.conftest import (OnCuda, assert_greedy_matches_hf, in_processes, kill_the_worker_as_rank_0_sizes_its_cache,
+                            kill_worker_while_decoding, shm_segments, within)
 from tests.test_gpu_engine import greedy, prompts
 
 pytestmark = pytest.mark.gpu
@@ -83,6 +83,20 @@ def test_killed_worker_fails_waiting_calls_within_seconds(qwen3_small, tp):
         print(f"TP={tp}: a new TP engine ran {time.monotonic() - killed:.0f} s after the kill")
     with LLM(qwen3_small, **ENGINE) as single:  # the GPU itself serves on
         assert all(len(o["token_ids"]) == 16 for o in single.generate(batch, greedy(16), use_tqdm=False))
+
+
+def test_a_worker_that_dies_while_rank_0_starts_is_named(qwen3_small, monkeypatch):
+    """Rank 0 would wait for good in the collective after sizing its cache; the start-up watch aborts it."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    kill_the_worker_as_rank_0_sizes_its_cache(monkeypatch)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1 .* died"):
+        within(90, LLM, qwen3_small, tensor_parallel_size=2, **ENGINE)
+    print(f"TP=2: a worker dead while rank 0 started: raised after {time.monotonic() - started:.1f} s")
+    monkeypatch.undo()
+    with LLM(qwen3_small, **ENGINE) as single:  # the GPU serves on
+        assert len(single.generate(prompts(2, seed=3), greedy(4), use_tqdm=False)) == 2
 
 
 def _engine_in_a_process(model: str, tp: int, queue):

@@ -12,8 +12,9 @@ import nanovllm
 import nanovllm.engine.tp_channel as tp_channel
 from nanovllm import SamplingParams
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import (assert_greedy_matches_hf, in_background, in_processes, kill_worker_while_decoding,
-                            shm_segments, within)
+from tests.conftest import (assert_greedy_matches_hf, in_background, in_processes,
+                            kill_the_worker_as_rank_0_sizes_its_cache, kill_worker_while_decoding, shm_segments,
+                            within)
 
 LLM = functools.partial(nanovllm.LLM, device="cpu")  # gloo, also on a machine with GPUs (their tests: test_gpu_*)
 
@@ -188,19 +189,10 @@ def test_a_worker_that_dies_while_starting_is_an_error_not_a_hang(tiny_model):
 
 
 def test_a_worker_that_dies_while_rank_0_warms_up_is_named(tiny_model, monkeypatch):
-    # after the rendezvous: rank 0 is loading or in a collective (with NCCL it would wait there for good; the
+    # after the rendezvous, rank 0 loads or waits in a collective (with NCCL it would wait there for good; the
     # engine's start-up watch aborts the collectives). The error names the worker, and the process can start
     # another engine: the failed one's process group is gone
-    from nanovllm.engine.model_runner import ModelRunner
-    allocate = ModelRunner.allocate_kv_cache
-
-    def worker_dies_first(runner):
-        (worker,) = set(mp.active_children()) - before  # the engine's one worker
-        worker.kill()
-        worker.join(10)
-        return allocate(runner)
-    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", worker_dies_first)  # rank 0's only: workers are spawned
-    before = set(mp.active_children())
+    kill_the_worker_as_rank_0_sizes_its_cache(monkeypatch)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="worker rank 1 .* died with exit code -9"):
         LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
