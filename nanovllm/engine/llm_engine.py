@@ -70,7 +70,7 @@ class LLMEngine:
             self.model_runner = ModelRunner(config, 0, semaphores, dist_port, shm_name, store)
             check_alive(self.processes, "its own error output says why")  # (a freed collective returns garbage)
         except BaseException as error:
-            dead = next(((rank, p) for rank, p in enumerate(self.processes, start=1) if not p.is_alive()), None)
+            dead = first_dead(self.processes)
             stop_workers(self.processes)
             if dist.is_initialized() and dist.get_backend() == "gloo":  # (NCCL's may hang: the watch aborted it)
                 dist.destroy_process_group()
@@ -448,14 +448,19 @@ def worker_died(rank: int, process, advice: str = "close this engine and start a
     while process.exitcode is None and time.monotonic() < deadline:  # another thread may be reaping it
         time.sleep(0.005)
     return WorkerDied(f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
-                        f"{process.exitcode}; {advice}")
+                      f"{process.exitcode}; {advice}")
+
+
+def first_dead(processes: list) -> tuple[int, object] | None:
+    """(rank, process) of the first worker that has died, if any."""
+    return next(((rank, p) for rank, p in enumerate(processes, start=1) if not p.is_alive()), None)
 
 
 def check_alive(processes: list, advice: str = "close this engine and start a new one"):
     """Raise, naming the first worker that has died."""
-    for rank, process in enumerate(processes, start=1):
-        if not process.is_alive():
-            raise worker_died(rank, process, advice)
+    dead = first_dead(processes)
+    if dead is not None:
+        raise worker_died(*dead, advice)
 
 
 def check_no_process_group():
