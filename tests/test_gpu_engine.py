@@ -87,6 +87,23 @@ def test_engine_matches_hf_bf16(qwen3_small, block_size):
         assert_greedy_matches_hf(OnCuda(hf), prompt, out["token_ids"], atol=0.15)
 
 
+def test_piecewise_graphs_match_hf_bf16(qwen3_small, monkeypatch):
+    """Prefill chunks of up to 300 tokens beside decodes: every step that is not decode-only replays the pieces."""
+    from transformers import AutoModelForCausalLM
+    monkeypatch.setenv("NANOVLLM_PIECEWISE_GRAPHS", "1")
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_small, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    batch = prompts(12, seed=4, lo=20, hi=700)
+    with LLM(qwen3_small, max_model_len=1024, max_num_batched_tokens=300, max_num_seqs=8) as llm:
+        piecewise = llm.model_runner.piecewise
+        assert piecewise is not None and piecewise.sizes[-1] == 300
+        steps, run = [], piecewise.run
+        piecewise.run = lambda input_ids, *args: steps.append(len(input_ids)) or run(input_ids, *args)
+        outputs = llm.generate(batch, greedy(24), use_tqdm=False)
+    assert steps and any(n not in piecewise.sizes for n in steps)  # padded steps among them
+    for prompt, out in zip(batch, outputs):
+        assert_greedy_matches_hf(OnCuda(hf), prompt, out["token_ids"], atol=0.15)
+
+
 def test_kv_cache_too_small_is_a_clear_error(qwen3_small):
     with pytest.raises(ValueError, match="fewer than max_model_len"):
         LLM(qwen3_small, gpu_memory_utilization=0.0015, max_model_len=40960)

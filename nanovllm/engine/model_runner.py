@@ -4,7 +4,8 @@ Rank 0 lives in the caller's process and drives the others: `call(method, *args)
 shared-memory channel (`tp_channel.py`), then runs the same method itself. Workers sit in `loop()` until they
 are told to exit. A step's inputs are built on the host (`step_inputs.py`), posted to the workers as those
 arrays (`run_step`), and go to the device in one copy (`staging.py`); decode steps replay CUDA graphs
-(`cuda_graphs.py`), which on rank 0 also sample a plain batch.
+(`cuda_graphs.py`), which on rank 0 also sample a plain batch; other steps replay the model's pieces between
+attentions (`piecewise_graphs.py`).
 
 `run` launches a step and returns without waiting for the device: rank 0 gets a `StepOutput` whose tokens
 arrive later. Every rank keeps the step's sampled tokens on the device (the workers receive them by a
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.penalty_slots import PenaltySlots
+from nanovllm.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
 from nanovllm.engine.sampling_batch import build_sampling_batch, is_plain
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.staging import Staging
@@ -108,6 +110,7 @@ class ModelRunner:
         if config.device == "cuda":
             self.compile_small_ops()
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         self.allocate_kv_cache()
         if config.device == "cuda":
             self.warmup_kernels()
@@ -116,6 +119,12 @@ class ModelRunner:
             sample_in_graph = os.environ.get("NANOVLLM_GRAPH_SAMPLER", "1") != "0"
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_model_len, self.block_size,
                                        self.device, self.sampler.rng_state if sample_in_graph else None)
+        # attention runs eagerly between the pieces, so any backend will do; NANOVLLM_PIECEWISE_GRAPHS=1 turns
+        # them on for prefills and mixed steps (off until they have been timed on an H200)
+        if (config.device == "cuda" and not config.enforce_eager
+                and os.environ.get("NANOVLLM_PIECEWISE_GRAPHS", "0") == "1"):
+            self.piecewise = PiecewiseGraphs(self.model, min(MAX_TOKENS, config.max_num_batched_tokens),
+                                             self.device)
 
         self.channel = Channel(shm_name, rank, semaphores) if self.world_size > 1 else None
         if self.world_size > 1 and rank:
@@ -160,12 +169,13 @@ class ModelRunner:
     def _free_device(self):
         # the graphs go first: NCCL does not destroy a communicator while a graph that captured its collectives
         # lives (destroy_process_group then hangs: pytorch issue 115388; seen on two H200s at bench.py's exit)
-        if self.graphs is not None:
-            self.graphs.release()
+        for graphs in (self.graphs, self.piecewise):
+            if graphs is not None:
+                graphs.release()
         # give the GPU memory back now: compiled forwards make reference cycles that only a gc would break
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache = self.graphs = None
+        self.kv_cache = self.graphs = self.piecewise = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -180,9 +190,11 @@ class ModelRunner:
         abort_process_group()
 
     def describe(self) -> list[dict]:
-        """Every rank's device, captured decode graphs and channel traffic (rank 0 gathers them)."""
+        """Every rank's device, captured graphs (decode: batch sizes; piecewise: token counts) and channel
+        traffic (rank 0 gathers them)."""
         channel = self.channel
         info = dict(rank=self.rank, device=str(self.device), graphs=self.graphs.batch_sizes if self.graphs else [],
+                    piecewise_graphs=self.piecewise.sizes if self.piecewise else [],
                     channel_calls=channel.num_calls if channel else 0,
                     channel_seconds=channel.seconds if channel else 0.0)
         if self.world_size == 1:
@@ -330,7 +342,9 @@ class ModelRunner:
             logits, sampled, temperatures = self.replay(inputs, temperatures)
         else:
             input_ids, positions, meta, logits_indices, temperatures = self.prepare(inputs, temperatures)
-            hidden_states = self.model(input_ids, positions, meta)
+            piecewise = self.piecewise is not None and self.piecewise.fits(len(input_ids))
+            hidden_states = (self.piecewise.run(input_ids, positions, meta) if piecewise else
+                             self.model(input_ids, positions, meta))
             logits = self.model.compute_logits(hidden_states[logits_indices]) if num_samples else None
             sampled = None
         if self.rank == 0 and num_samples:

@@ -70,13 +70,14 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(dim, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata):
+    def project(self, positions: torch.Tensor, hidden_states: torch.Tensor):
+        """The attention's inputs: q and k ([tokens, heads, head_dim]) normed and rotated, and v."""
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
 
 class DenseMLP(nn.Module):
@@ -106,15 +107,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, residual, meta):
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, meta)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
 
 class DecoderModel(nn.Module):
 
@@ -126,11 +118,27 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, meta)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        x, residual = input_ids, None
+        for i, layer in enumerate(self.layers):
+            q, k, v, residual = self.piece(i, positions, x, residual)
+            x = layer.self_attn.attn(q, k, v, meta)
+        return self.piece(len(self.layers), positions, x, residual)
+
+    def piece(self, i: int, positions, x, residual):
+        """The forward between two attentions, which reads no attention metadata: from the output `x` of layer
+        i - 1's attention (for i = 0: the input ids) to the inputs of layer i's, returned as (q, k, v, residual);
+        for i = num_layers, to the final hidden states. Piecewise CUDA graphs capture these pieces."""
+        if i == 0:
+            residual = self.embed_tokens(x)
+            hidden_states = self.layers[0].input_layernorm(residual)
+        else:
+            layer = self.layers[i - 1]
+            hidden_states, residual = layer.post_attention_layernorm(layer.self_attn.o_proj(x), residual)
+            hidden_states = layer.mlp(hidden_states)
+            if i == len(self.layers):
+                return self.norm(hidden_states, residual)[0]
+            hidden_states, residual = self.layers[i].input_layernorm(hidden_states, residual)
+        return *self.layers[i].self_attn.project(positions, hidden_states), residual
 
 
 class DecoderForCausalLM(nn.Module):
