@@ -87,15 +87,19 @@ def test_engine_matches_hf_bf16(qwen3_small, block_size):
         assert_greedy_matches_hf(OnCuda(hf), prompt, out["token_ids"], atol=0.15)
 
 
-def test_piecewise_graphs_match_hf_bf16(qwen3_small, monkeypatch):
-    """Prefill chunks of up to 300 tokens beside decodes: every step that is not decode-only replays the pieces."""
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_piecewise_graphs_match_hf_bf16(qwen3_small, monkeypatch, fused):
+    """Prefill chunks of up to 300 tokens beside decodes: every step that is not decode-only replays the pieces;
+    with the fused q/k norm, rope and KV store in the pieces and in the decode graphs, or not."""
     from transformers import AutoModelForCausalLM
     monkeypatch.setenv("NANOVLLM_PIECEWISE_GRAPHS", "1")
+    monkeypatch.setenv("NANOVLLM_FUSED_ROPE_STORE", fused)
     hf = AutoModelForCausalLM.from_pretrained(qwen3_small, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
     batch = prompts(12, seed=4, lo=20, hi=700)
     with LLM(qwen3_small, max_model_len=1024, max_num_batched_tokens=300, max_num_seqs=8) as llm:
         piecewise = llm.model_runner.piecewise
         assert piecewise is not None and piecewise.sizes[-1] == 300
+        assert all(layer.fused_store == (fused == "1") for layer in llm.model_runner.attn_layers)
         steps, run = [], piecewise.run
         piecewise.run = lambda input_ids, *args: steps.append(len(input_ids)) or run(input_ids, *args)
         outputs = llm.generate(batch, greedy(24), use_tqdm=False)

@@ -44,23 +44,42 @@ def generate(llm, batch, params, piecewise: PiecewiseGraphs | None):
         llm.model_runner.piecewise = None
 
 
-@pytest.mark.parametrize("max_tokens", [48, 100])
-def test_steps_through_the_pieces_equal_the_eager_forward(tiny_model, hf_model, max_tokens):
-    """Prefills, chunks, prefix hits and mixed steps of every size up to max_tokens (larger ones eager)."""
+def fuse_rope_store(llm, fused: bool):
+    """The fused q/k norm, rope and KV store (`triton_rope_store`, through Triton's interpreter on CPU) in every
+    layer, or not: the model runner turns it on for CUDA backends only."""
+    for layer in llm.model_runner.attn_layers:
+        layer.fuse_rope_store = fused
+
+
+@pytest.mark.parametrize("max_tokens, fused", [(48, False), (100, False), (48, True)])
+def test_steps_through_the_pieces_equal_the_eager_forward(tiny_model, hf_model, max_tokens, fused):
+    """Prefills, chunks, prefix hits and mixed steps of every size up to max_tokens (larger ones eager); with the
+    fused KV store in the pieces, whose padding rows must store nothing."""
+    if fused:
+        pytest.importorskip("nanovllm.layers.triton_rope_store")
     with LLM(tiny_model, max_num_batched_tokens=100, max_num_seqs=8) as llm:
         runner = llm.model_runner
+        fuse_rope_store(llm, fused)
         piecewise = PiecewiseGraphs(runner.model, max_tokens, runner.device, capture=Rerun)
         steps = []
         run = piecewise.run
 
         def counting_run(input_ids, positions, meta):
             steps.append(len(input_ids))
+            # garbage in every row that the step does not fill (a graph's buffers hold whatever came before):
+            # no real row may depend on it, and no padding row may store it in the cache
+            for buffer in (piecewise.q, piecewise.k, piecewise.v, piecewise.residual, piecewise.attn_out):
+                buffer.normal_(0, 3)
+            piecewise.input_ids.random_(0, 500)
+            piecewise.positions.random_(0, 100)
             return run(input_ids, positions, meta)
 
         piecewise.run = counting_run
         batch = prompts(12, seed=max_tokens)
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        fuse_rope_store(llm, False)
         expected = generate(llm, batch, params, None)
+        fuse_rope_store(llm, fused)
         got = generate(llm, batch, params, piecewise)
         again = generate(llm, batch, params, piecewise)  # prefix-cache hits leave short prefills
     assert got == expected and again == expected

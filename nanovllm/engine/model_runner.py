@@ -94,8 +94,11 @@ class ModelRunner:
         load_model(self.model, config.model, config.load_format)
         self.backend = get_backend(self._backend_name())
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # NANOVLLM_FUSED_ROPE_STORE=1: the q/k norms, rope and the KV store in one kernel where the backend's store
+        # is Triton's (off until timed on an H200)
+        fuse = self.backend.fuses_rope_store and os.environ.get("NANOVLLM_FUSED_ROPE_STORE", "0") == "1"
         for layer in self.attn_layers:
-            layer.backend = self.backend
+            layer.backend, layer.fuse_rope_store = self.backend, fuse
         # on CUDA the plain rows' draws come from a counter on the device, so a CUDA graph can replay them
         self.sampler = Sampler(make_rng_state(config.seed, self.device)
                                if config.device == "cuda" and triton_available() else None)

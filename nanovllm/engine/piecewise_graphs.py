@@ -3,9 +3,10 @@
 Attention over a varlen batch has no fixed shape, but the rest of the forward has one for a given token count.
 So the model runs in pieces between its attentions (`DecoderModel.piece`), each captured once per token count
 of `sizes` (as vLLM V1's piecewise graphs). A step of n tokens takes the smallest size >= n: its pieces replay
-in order, and each layer's attention (its KV store too) runs eagerly between them, on the n real tokens, with
-the step's own metadata. The padding rows (stale ids and positions) flow through the pieces only, where rows
-are independent, so they change no real row; they reach no attention and no cache slot.
+in order, and each layer's attention (and its KV store, unless a piece fused it) runs eagerly between them, on
+the n real tokens, with the step's own metadata. The padding rows (stale ids and positions, slot -1) flow
+through the pieces only, where rows are independent, so they change no real row; they reach no attention and
+no cache slot.
 
 The pieces hand their results over in static buffers that every size shares (the first rows of each): q, k, v,
 the residual, the attention's output and the final hidden states. So a piece's intermediates are free when it
@@ -54,6 +55,7 @@ class PiecewiseGraphs:
             return torch.zeros(n, *shape, dtype=dtype, device=device)
 
         self.input_ids, self.positions = buffer(dtype=torch.int64), buffer(dtype=torch.int64)
+        self.slot_mapping = buffer(dtype=torch.int64) - 1
         self.q = buffer(attn.num_heads, attn.head_dim)
         self.k, self.v = buffer(attn.num_kv_heads, attn.head_dim), buffer(attn.num_kv_heads, attn.head_dim)
         self.residual, self.hidden_states = buffer(hidden_size), buffer(hidden_size)
@@ -67,7 +69,7 @@ class PiecewiseGraphs:
     def _piece(self, i: int, n: int):
         decoder = self.decoder
         x = self.input_ids[:n] if i == 0 else self.attn_out[:n]
-        out = decoder.piece(i, self.positions[:n], x, self.residual[:n] if i else None)
+        out = decoder.piece(i, self.positions[:n], self.slot_mapping[:n], x, self.residual[:n] if i else None)
         if i == len(decoder.layers):
             self.hidden_states[:n] = out
             return
@@ -80,8 +82,10 @@ class PiecewiseGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The final hidden states of a step's tokens (a view of a static buffer, valid until the next run)."""
         n = len(input_ids)
-        graphs = self.graphs[next(size for size in self.sizes if size >= n)]
-        self.input_ids[:n], self.positions[:n] = input_ids, positions
+        size = next(size for size in self.sizes if size >= n)
+        graphs = self.graphs[size]
+        self.input_ids[:n], self.positions[:n], self.slot_mapping[:n] = input_ids, positions, meta.slot_mapping
+        self.slot_mapping[n:size] = -1  # a fused store writes no padding row
         for layer, graph in zip(self.decoder.layers, graphs):
             graph.replay()
             self.attn_out[:n] = layer.self_attn.attn(self.q[:n], self.k[:n], self.v[:n], meta)

@@ -38,6 +38,7 @@ class AttentionBackend(ABC):
     name: str
     supports_cuda_graphs = False  # True when forward reads only tensors (no host lists) and can be captured
     supports_fp8_kv = False  # True when it can store into and read from an FP8 cache
+    fuses_rope_store = False  # True when its store is Triton's, which the decoder can fuse with the norms and rope
 
     def check(self, block_size: int, head_dim: int, kv_cache_dtype: torch.dtype):
         """Raise ValueError when this backend cannot run with these settings."""
@@ -160,12 +161,19 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])  # set by the model runner
         self.backend: AttentionBackend = TorchBackend()  # set by the model runner
         self.k_scale = self.v_scale = 1.0  # of an FP8 cache: stored = clamp(x / scale), read = stored * scale
+        self.fuse_rope_store = False  # set by the model runner where the backend can and it is asked to
+
+    @property
+    def fused_store(self) -> bool:
+        """The decoder stores this step's keys and values, in one kernel with the q/k norms and rope
+        (`triton_rope_store`); then `forward` does not."""
+        return self.fuse_rope_store and self.k_cache.numel() > 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.k_cache.numel():
+        if self.k_cache.numel() and not self.fused_store:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
                                        self.k_scale, self.v_scale)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)

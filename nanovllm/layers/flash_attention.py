@@ -76,6 +76,7 @@ def flash_attn_available() -> str | None:
 class FlashAttnBackend(AttentionBackend):
     name = "flash-attn"
     supports_cuda_graphs = True  # forward reads only device tensors and fixed host integers
+    fuses_rope_store = True  # its store is Triton's
 
     def __init__(self, family: str | None = None, triton_decode: bool = False):
         if family not in (None, "fa4", "fa2"):

@@ -255,6 +255,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True  # decode reads only device tensors and integers fixed per batch size
     supports_fp8_kv = True
+    fuses_rope_store = True
 
     def __init__(self):
         if not triton_available():

@@ -18,6 +18,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.moe import SparseMoeBlock
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_inv_freq
+from nanovllm.layers.triton_rope_store import rope_store
 
 MOE_ACTIVATIONS = ("silu", "swish")  # the fused kernel computes silu(gate) * up
 
@@ -70,14 +71,23 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(dim, eps=config.rms_norm_eps)
 
-    def project(self, positions: torch.Tensor, hidden_states: torch.Tensor):
-        """The attention's inputs: q and k ([tokens, heads, head_dim]) normed and rotated, and v."""
+    def project(self, positions: torch.Tensor, hidden_states: torch.Tensor, slot_mapping: torch.Tensor):
+        """The attention's inputs: q and k ([tokens, heads, head_dim]) normed and rotated, and v. Where the
+        attention says `fused_store`, one kernel does the norms and rope and stores k and v at `slot_mapping`."""
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        attn = self.attn
+        if attn.fused_store:
+            q = rope_store(q, k, v, positions, self.rotary_emb.cos_sin_cache,
+                           self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
+                           self.q_norm.eps if self.qk_norm else 0.0, attn.k_cache, attn.v_cache, slot_mapping,
+                           attn.k_scale, attn.v_scale)
+            return q, k, v
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+        return q, k, v
 
 
 class DenseMLP(nn.Module):
@@ -120,14 +130,15 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, meta):
         x, residual = input_ids, None
         for i, layer in enumerate(self.layers):
-            q, k, v, residual = self.piece(i, positions, x, residual)
+            q, k, v, residual = self.piece(i, positions, meta.slot_mapping, x, residual)
             x = layer.self_attn.attn(q, k, v, meta)
-        return self.piece(len(self.layers), positions, x, residual)
+        return self.piece(len(self.layers), positions, meta.slot_mapping, x, residual)
 
-    def piece(self, i: int, positions, x, residual):
-        """The forward between two attentions, which reads no attention metadata: from the output `x` of layer
-        i - 1's attention (for i = 0: the input ids) to the inputs of layer i's, returned as (q, k, v, residual);
-        for i = num_layers, to the final hidden states. Piecewise CUDA graphs capture these pieces."""
+    def piece(self, i: int, positions, slot_mapping, x, residual):
+        """The forward between two attentions, which reads no attention metadata but the cache slots (for a
+        fused KV store): from the output `x` of layer i - 1's attention (for i = 0: the input ids) to the inputs
+        of layer i's, returned as (q, k, v, residual); for i = num_layers, to the final hidden states. Piecewise
+        CUDA graphs capture these pieces."""
         if i == 0:
             residual = self.embed_tokens(x)
             hidden_states = self.layers[0].input_layernorm(residual)
@@ -138,7 +149,7 @@ class DecoderModel(nn.Module):
             if i == len(self.layers):
                 return self.norm(hidden_states, residual)[0]
             hidden_states, residual = self.layers[i].input_layernorm(hidden_states, residual)
-        return *self.layers[i].self_attn.project(positions, hidden_states), residual
+        return *self.layers[i].self_attn.project(positions, hidden_states, slot_mapping), residual
 
 
 class DecoderForCausalLM(nn.Module):

@@ -1,0 +1,84 @@
+"""The fused q/k norm, rope and KV store (`triton_rope_store`) against the unfused layers it replaces: `RMSNorm`
+on each head, `RotaryEmbedding`, and `TorchBackend.store_kvcache`. Without CUDA the kernel runs through Triton's
+interpreter (tests/conftest.py turns it on) in float32; with CUDA also in bf16, where it may differ from the
+unfused layers by the order of float32 sums, so by one unit in the last place of a few elements."""
+import random
+
+import pytest
+import torch
+
+from nanovllm.layers.attention import FP8_DTYPE, TorchBackend
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from tests.test_triton_attention import assert_stored_as
+
+triton_rope_store = pytest.importorskip("nanovllm.layers.triton_rope_store")
+if triton_rope_store.triton is None:
+    pytest.skip("Triton does not import here", allow_module_level=True)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+def unfused(q, k, v, positions, rope, q_norm, k_norm, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = rope(positions, q, k)
+    TorchBackend().store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
+
+
+def case(seed: int, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
+         fp8: bool, num_tokens: int = 7, block_size: int = 16, num_blocks: int = 6):
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(num_tokens, width + 8, generator=gen) * 2).to(dtype).to(DEVICE)[:, 4:4 + width]  # strided
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(num_tokens, -1, head_dim) for x in (q, k, v))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    rope = RotaryEmbedding(inv_freq, 4096).to(DEVICE)
+    norms = [None, None]
+    if qk_norm:
+        norms = [RMSNorm(head_dim, eps=1e-6).to(DEVICE, dtype) for _ in range(2)]
+        for norm in norms:
+            norm.weight.copy_(torch.rand(head_dim, generator=gen) + 0.5)
+    positions = torch.tensor([rng.randrange(4096) for _ in range(num_tokens)], device=DEVICE)
+    slots = rng.sample(range(num_blocks * block_size), num_tokens)
+    slots[rng.randrange(num_tokens)] = -1  # the padding of a captured graph: stores nothing
+    slot_mapping = torch.tensor(slots, device=DEVICE)
+    cache_dtype = FP8_DTYPE if fp8 else dtype
+    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE, cache_dtype)
+              for _ in range(2)]
+    scales = (0.0625, 3.0) if fp8 else (1.0, 1.0)  # a kernel that forgets one is off by 16x or 3x
+    return q, k, v, positions, rope, *norms, caches, slot_mapping, scales
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_equals_unfused(seed, dtype):
+    rng = random.Random(seed)
+    num_kv_heads = rng.choice([1, 2, 4])
+    num_heads = num_kv_heads * rng.choice([1, 2, 3, 8])  # 3: a head count that is not a power of two
+    head_dim = rng.choice([64, 80, 128])  # 80: a half that is not a power of two
+    qk_norm, fp8 = seed % 2 == 0, seed % 4 == 3
+    if fp8 and DEVICE.type == "cpu" and not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 here")
+    q, k, v, positions, rope, q_norm, k_norm, caches, slot_mapping, (k_scale, v_scale) = case(
+        seed, dtype, num_heads, num_kv_heads, head_dim, qk_norm, fp8)
+    expected_caches = [c.clone() for c in caches]
+    expected = unfused(q, k, v, positions, rope, q_norm, k_norm, *expected_caches, slot_mapping, k_scale, v_scale)
+    got = triton_rope_store.rope_store(q, k, v, positions, rope.cos_sin_cache,
+                                       q_norm.weight if qk_norm else None, k_norm.weight if qk_norm else None,
+                                       1e-6, *caches, slot_mapping, k_scale, v_scale)
+    if dtype == torch.float32:  # the unfused layers' float32 sums run in another order
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        for cache, want in zip(caches, expected_caches):  # including the slots left alone (-1, and the rest)
+            if fp8 and DEVICE.type == "cpu":
+                assert_stored_as(cache, want)
+            else:  # an FP8 value that a 1e-7 difference tips to its neighbour: one FP8 step (1/8) away
+                torch.testing.assert_close(cache.float(), want.float(), atol=1e-5, rtol=0.13 if fp8 else 1e-5)
+    else:  # bf16: where a float32 sum's order tips a rounding, one step of the stored dtype
+        rtol = 0.13 if fp8 else 2 ** -7
+        for x, y in [(got, expected), *zip(caches, expected_caches)]:
+            torch.testing.assert_close(x.float(), y.float(), atol=1e-6, rtol=rtol)
