@@ -224,18 +224,18 @@ def test_second_tp_engine_in_one_process_is_refused(tiny_model):
 def test_a_new_tp_engine_waits_for_an_earlier_ones_collectives_abort(tiny_model, monkeypatch):
     """NCCL's abort after a dead worker may take long (over 30 s on two H200s) and then tears the process group
     down under any engine started meanwhile: a new engine waits for it, and past ABORT_WAIT says what to do."""
-    from nanovllm.engine import llm_engine
-    monkeypatch.setattr(llm_engine, "ABORT_WAIT", 1.0)
-    with llm_engine.COLLECTIVES_ABORT:  # an abort that does not end
+    from nanovllm.engine import workers
+    monkeypatch.setattr(workers, "ABORT_WAIT", 1.0)
+    with workers.COLLECTIVES_ABORT:  # an abort that does not end
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="NCCL has not torn its process group down after 1 s; start a new "
                                                "process"):
             LLM(tiny_model, tensor_parallel_size=2)
         assert time.monotonic() - started < 10
-    threading.Timer(0.5, llm_engine.COLLECTIVES_ABORT.release).start()
-    llm_engine.COLLECTIVES_ABORT.acquire()  # an abort that ends half a second from now: the engine starts after it
+    threading.Timer(0.5, workers.COLLECTIVES_ABORT.release).start()
+    workers.COLLECTIVES_ABORT.acquire()  # an abort that ends half a second from now: the engine starts after it
     with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2) as llm:
-        assert not llm_engine.COLLECTIVES_ABORT.locked()
+        assert not workers.COLLECTIVES_ABORT.locked()
         assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
 
 

@@ -3,39 +3,27 @@ import asyncio
 import json
 import operator
 import os
-import socket
 import sys
 import threading
-import time
-import uuid
 import weakref
 from dataclasses import dataclass
 from functools import partial
-from multiprocessing import connection
 from time import perf_counter
 
 import numpy as np
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ARRIVED, ModelRunner, abort_process_group
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_output import StepOutput
-from nanovllm.engine.tp_channel import channel_semaphores
+from nanovllm.engine.workers import WorkerWatch, check_alive, fail_and_abort, shutdown, start_workers
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-CLOSE_TIMEOUT = 10.0  # seconds close() waits for a running step before it tears the workers down
-# held while a dead worker's engine fails its calls and aborts its collectives: NCCL's abort may wait long for the
-# dead peer (on two H200s: over 30 s), and a new engine's process group must not start before the old one is gone
-COLLECTIVES_ABORT = threading.Lock()
-ABORT_WAIT = 60.0  # seconds a new tensor-parallel engine waits for that abort before it gives up
 
 
 class LLMEngine:
@@ -46,39 +34,7 @@ class LLMEngine:
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads
         config.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.config = config
-        self.processes, semaphores = [], []
-        if config.tensor_parallel_size > 1:
-            check_no_process_group()
-        dist_port = config.dist_port or (free_port() if config.tensor_parallel_size > 1 else 0)
-        # rank 0's rendezvous, up before the workers: it counts them in, so a worker that dies on its way there
-        # is seen (init_process_group alone would wait 30 minutes for it)
-        store = (dist.TCPStore("127.0.0.1", dist_port, config.tensor_parallel_size, is_master=True,
-                               wait_for_workers=False) if config.tensor_parallel_size > 1 else None)
-        shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        ctx = mp.get_context("spawn")
-        for rank in range(1, config.tensor_parallel_size):
-            pair = channel_semaphores(ctx)
-            process = ctx.Process(target=ModelRunner, args=(config, rank, [pair], dist_port, shm_name))
-            process.start()
-            self.processes.append(process)
-            semaphores.append(pair)
-        # a worker that dies while rank 0 loads and warms up may leave rank 0 in an NCCL collective for good
-        start_watch = WorkerWatch(self.processes, lambda _: abort_process_group())
-        try:
-            if store is not None:
-                wait_for_workers(store, self.processes)
-            self.model_runner = ModelRunner(config, 0, semaphores, dist_port, shm_name, store)
-            check_alive(self.processes, "its own error output says why")  # (a freed collective returns garbage)
-        except BaseException as error:
-            dead = first_dead(self.processes)
-            stop_workers(self.processes)
-            if dist.is_initialized() and dist.get_backend() == "gloo":  # (NCCL's may hang: the watch aborted it)
-                dist.destroy_process_group()
-            if dead is not None and not isinstance(error, WorkerDied):
-                raise worker_died(*dead, "its own error output says why") from error
-            raise
-        finally:
-            start_watch.stop()
+        self.processes, self.model_runner = start_workers(config)
         self.scheduler = Scheduler(config, on_release=self.model_runner.penalty_slots.release)
         self._in_flight: Step | None = None  # launched, its tokens not yet accounted for
         self._last_completed = 0.0
@@ -94,7 +50,7 @@ class LLMEngine:
     def close(self):
         """Abort every request in flight (each finishes with finish_reason "abort" and the tokens it has, so
         calls waiting on them in other threads return), then stop the workers and free the KV cache and
-        shared memory. Returns within about CLOSE_TIMEOUT s; safe to call more than once."""
+        shared memory. Returns within about `workers.CLOSE_TIMEOUT` s; safe to call more than once."""
         self._finalizer()
 
     exit = close  # nano-vllm's name
@@ -398,120 +354,3 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
         if extra is not None:
             ids.update([extra] if isinstance(extra, int) else extra)
     return tuple(sorted(ids))
-
-
-class WorkerWatch:
-    """Rank 0's watch over the tensor-parallel workers. When one dies, a step may wait forever in a collective
-    (NCCL's kernels spin on the GPU for a peer that is gone, and the host waits on them): this thread calls
-    `on_death(rank)` at once, which fails every request and later call, naming the worker, and aborts the
-    collectives (`fail_and_abort`), or while the engine starts, aborts them only."""
-
-    def __init__(self, processes: list, on_death):
-        self.processes, self.on_death = processes, on_death
-        self._stop_reader, self._stop_writer = mp.get_context("spawn").Pipe(duplex=False)
-        self.thread = None
-        if processes:
-            self.thread = threading.Thread(target=self._run, daemon=True, name="nanovllm-worker-watch")
-            self.thread.start()
-
-    def _run(self):
-        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes, start=1)}
-        ready = connection.wait([*sentinels, self._stop_reader])
-        if self._stop_reader in ready:
-            return
-        with COLLECTIVES_ABORT:
-            self.on_death(sentinels[ready[0]])
-
-    def stop(self):
-        """Before the workers exit on purpose. (A watch that fired may be stuck in the abort: not waited for.)"""
-        if self.thread is not None:
-            self._stop_writer.send(None)
-            self.thread.join(1.0)
-        self._stop_reader.close()
-        self._stop_writer.close()
-
-
-def fail_and_abort(loop: EngineLoop, model_runner: ModelRunner, processes: list, rank: int):
-    """A running engine's answer to a dead worker: its requests fail first, since a collective that the abort
-    frees returns garbage."""
-    loop.fail(worker_died(rank, processes[rank - 1]))
-    model_runner.abort_collectives()
-
-
-class WorkerDied(RuntimeError):
-    pass
-
-
-def worker_died(rank: int, process, advice: str = "close this engine and start a new one") -> WorkerDied:
-    """The error for a worker process that has exited."""
-    deadline = time.monotonic() + 1
-    while process.exitcode is None and time.monotonic() < deadline:  # another thread may be reaping it
-        time.sleep(0.005)
-    return WorkerDied(f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
-                      f"{process.exitcode}; {advice}")
-
-
-def first_dead(processes: list) -> tuple[int, object] | None:
-    """(rank, process) of the first worker that has died, if any."""
-    return next(((rank, p) for rank, p in enumerate(processes, start=1) if not p.is_alive()), None)
-
-
-def check_alive(processes: list, advice: str = "close this engine and start a new one"):
-    """Raise, naming the first worker that has died."""
-    dead = first_dead(processes)
-    if dead is not None:
-        raise worker_died(*dead, advice)
-
-
-def check_no_process_group():
-    """Before a tensor-parallel engine starts: this process must hold no process group (one per process), and an
-    earlier engine's abort after a dead worker must have finished (waited for, up to ABORT_WAIT s)."""
-    if not COLLECTIVES_ABORT.acquire(timeout=ABORT_WAIT):
-        raise RuntimeError(f"an earlier engine in this process lost a GPU worker and NCCL has not torn its process "
-                           f"group down after {ABORT_WAIT:.0f} s; start a new process for a tensor-parallel engine")
-    COLLECTIVES_ABORT.release()
-    if dist.is_initialized():
-        raise RuntimeError("this process already has a torch.distributed process group: another engine with "
-                           "tensor_parallel_size > 1 is running in it (close() it first), or one lost a GPU worker "
-                           "and NCCL could not tear its group down (start a new process). Engines in separate "
-                           "processes can run at once")
-
-
-def wait_for_workers(store, processes: list):
-    """Until every worker has checked in at rank 0's rendezvous (`ModelRunner` does, first thing); a worker
-    that dies before is an error, not a hang."""
-    while store.add(ARRIVED, 0) < len(processes):
-        check_alive(processes, "its own error output says why")
-        time.sleep(0.02)
-
-
-def shutdown(loop: EngineLoop, watch: WorkerWatch, model_runner: ModelRunner, processes: list):
-    steps_stopped = loop.stop(CLOSE_TIMEOUT)  # every request in flight finishes now, as aborted
-    watch.stop()
-    try:
-        if steps_stopped and all(process.is_alive() for process in processes):
-            try:
-                model_runner.call("exit")
-                return
-            except Exception:  # a worker died after all (its socket closes before it is reaped): tear down alone
-                pass
-        # a step still runs, or a worker is gone: no collective can complete; tear down this rank alone
-        for process in processes:
-            process.kill()  # which also ends a collective that a stuck step waits in
-        model_runner.exit(workers_alive=False)
-    finally:
-        stop_workers(processes)
-
-
-def stop_workers(processes: list, timeout: float = 10.0):
-    for process in processes:
-        process.join(timeout)
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
