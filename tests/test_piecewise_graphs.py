@@ -5,10 +5,13 @@ they hand over, the padding and the choice of size; the GPU test checks the capt
 import random
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.piecewise_graphs import PiecewiseGraphs, token_counts
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import step_inputs
 from tests.conftest import assert_greedy_matches_hf
 
 
@@ -31,6 +34,11 @@ def test_token_counts_cover_every_step_with_little_padding(max_tokens):
         assert larger <= max(1.5 * smaller, 16)  # a step of smaller + 1 tokens is padded by under a third
 
 
+def test_token_counts_are_powers_of_two_and_their_halfway_points():
+    assert token_counts(2048) == [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert token_counts(100) == [8, 16, 24, 32, 48, 64, 96, 100]
+
+
 def prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(rng.randint(1, 70))] for _ in range(n)]
@@ -39,7 +47,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 def generate(llm, batch, params, piecewise: PiecewiseGraphs | None):
     llm.model_runner.piecewise = piecewise
     try:
-        return [out["token_ids"] for out in llm.generate(batch, params)]
+        return llm.generate(batch, params)
     finally:
         llm.model_runner.piecewise = None
 
@@ -57,7 +65,8 @@ def test_steps_through_the_pieces_equal_the_eager_forward(tiny_model, hf_model, 
     fused KV store in the pieces, whose padding rows must store nothing."""
     if fused:
         pytest.importorskip("nanovllm.layers.triton_rope_store")
-    with LLM(tiny_model, max_num_batched_tokens=100, max_num_seqs=8) as llm:
+    # blocks of 16: prefix hits in the second run, and blocks that the runs share, where a stray store would land
+    with LLM(tiny_model, max_num_batched_tokens=100, max_num_seqs=8, kvcache_block_size=16) as llm:
         runner = llm.model_runner
         fuse_rope_store(llm, fused)
         piecewise = PiecewiseGraphs(runner.model, max_tokens, runner.device, capture=Rerun)
@@ -75,15 +84,60 @@ def test_steps_through_the_pieces_equal_the_eager_forward(tiny_model, hf_model, 
             return run(input_ids, positions, meta)
 
         piecewise.run = counting_run
-        batch = prompts(12, seed=max_tokens)
+        batch = prompts(12, seed=max_tokens) + [list(range(3, 250))]  # its chunks fill the token budget
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        got = generate(llm, batch, params, piecewise)  # first: an empty cache, so whole prompts
+        again = generate(llm, batch, params, piecewise)  # prefix-cache hits leave short prefills
         fuse_rope_store(llm, False)
         expected = generate(llm, batch, params, None)
-        fuse_rope_store(llm, fused)
-        got = generate(llm, batch, params, piecewise)
-        again = generate(llm, batch, params, piecewise)  # prefix-cache hits leave short prefills
-    assert got == expected and again == expected
+    tokens = [[out["token_ids"] for out in outputs] for outputs in (expected, got, again)]
+    assert tokens[1] == tokens[0] and tokens[2] == tokens[0]
+    assert any(out["num_cached_tokens"] > 0 for out in again)
     assert steps and max(steps) <= max_tokens
+    if max_tokens == 100:  # the token budget: full steps are the largest size, and run through the pieces
+        assert 100 in steps
     assert any(n not in piecewise.sizes for n in steps)  # some steps were padded
-    for prompt, output in zip(batch, got):
+    for prompt, output in zip(batch, tokens[1]):
         assert_greedy_matches_hf(hf_model, prompt, output)
+
+
+def test_padding_rows_reach_no_cache_slot_and_real_rows_come_back(tiny_model):
+    """A step of 5 tokens replays the pieces of 8 after a step of 8 whose slots stay in the static buffer: with
+    the fused store (in the pieces) or not, only the step's own 5 slots change, and `run` returns 5 rows."""
+    pytest.importorskip("nanovllm.layers.triton_rope_store")
+    with LLM(tiny_model, kvcache_block_size=16) as llm, torch.inference_mode():
+        runner = llm.model_runner
+        piecewise = PiecewiseGraphs(runner.model, 8, runner.device, capture=Rerun)
+        for fused in (False, True):
+            fuse_rope_store(llm, fused)
+            seqs = [Sequence(list(range(3, 11)))]
+            seqs[0].block_table, seqs[0].num_scheduled_tokens = [0], 8
+            inputs = step_inputs(seqs, 16)
+            input_ids, positions, meta, *_ = runner.prepare(inputs, None)
+            piecewise.run(input_ids, positions, meta)  # slots 0-7 in the static buffer
+            runner.kv_cache.fill_(7.0)
+            seqs = [Sequence(list(range(3, 8)))]
+            seqs[0].block_table, seqs[0].num_scheduled_tokens = [1], 5
+            input_ids, positions, meta, *_ = runner.prepare(step_inputs(seqs, 16), None)
+            out = piecewise.run(input_ids, positions, meta)
+            assert out.shape[0] == 5
+            changed = (runner.kv_cache != 7.0).flatten(4).any(-1)  # [2, layers, blocks, block_size]
+            expected = torch.zeros_like(changed)
+            expected[:, :, 1, :5] = True
+            assert torch.equal(changed, expected), fused
+
+
+def test_describe_and_close_report_and_release_the_piecewise_graphs(tiny_model):
+    resets = []
+
+    class Recorded(Rerun):
+        def reset(self):
+            resets.append(self)
+
+    llm = LLM(tiny_model, max_num_batched_tokens=32)
+    runner = llm.model_runner
+    assert runner.describe()[0]["piecewise_graphs"] == []
+    runner.piecewise = piecewise = PiecewiseGraphs(runner.model, 32, runner.device, capture=Recorded)
+    assert runner.describe()[0]["piecewise_graphs"] == [8, 16, 24, 32]
+    llm.close()
+    assert len(resets) == len(piecewise.sizes) * (len(runner.model.model.layers) + 1) and runner.piecewise is None

@@ -82,3 +82,43 @@ def test_fused_equals_unfused(seed, dtype):
         rtol = 0.13 if fp8 else 2 ** -7
         for x, y in [(got, expected), *zip(caches, expected_caches)]:
             torch.testing.assert_close(x.float(), y.float(), atol=1e-6, rtol=rtol)
+
+
+def test_the_decoder_passes_its_norms_and_slots_to_the_kernel(tiny_model):
+    """`DecoderAttention.project` with the fused kernel equals the unfused layers, at hidden states so small that
+    the norms' eps decides their output (a wrong or missing eps, weight or slot shows)."""
+    from nanovllm import LLM
+    with LLM(tiny_model, kvcache_block_size=16) as llm, torch.inference_mode():
+        layer = llm.model_runner.model.model.layers[1].self_attn
+        assert layer.qk_norm
+        attn = layer.attn
+        gen = torch.Generator().manual_seed(0)
+        hidden = torch.randn(5, layer.qkv_proj.weight.size(1), generator=gen) * 1e-4
+        positions, slots = torch.tensor([0, 9, 3, 17, 40]), torch.tensor([16, 17, 18, 19, 20])
+        attn.fuse_rope_store = False
+        q, k, v = layer.project(positions, hidden, slots)
+        attn.fuse_rope_store = True
+        attn.k_cache.zero_(), attn.v_cache.zero_()
+        fused_q, _, _ = layer.project(positions, hidden, slots)
+        stored_k, stored_v = (cache.flatten(0, 1)[slots] for cache in (attn.k_cache, attn.v_cache))
+        attn.fuse_rope_store = False
+    assert k.abs().max() > 0.1  # normed up from ~1e-5: eps is what keeps it finite and sets its size
+    for got, want in ((fused_q, q), (stored_k, k), (stored_v, v)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+def test_the_fused_store_waits_for_a_cache_and_a_backend_that_can():
+    from nanovllm.layers.attention import Attention
+    attn = Attention(4, 64, 0.125, 2)
+    attn.fuse_rope_store = True
+    assert not attn.fused_store  # no cache yet (the memory-profiling run): the attention stores, not the decoder
+    attn.k_cache = attn.v_cache = torch.zeros(3, 16, 2, 64)
+    assert attn.fused_store
+
+
+def test_the_switch_turns_nothing_on_where_the_store_is_not_triton(tiny_model, monkeypatch):
+    from nanovllm import LLM
+    monkeypatch.setenv("NANOVLLM_FUSED_ROPE_STORE", "1")
+    with LLM(tiny_model) as llm:  # the torch backend on CPU: its store is not Triton's
+        assert not llm.model_runner.backend.fuses_rope_store
+        assert not any(layer.fuse_rope_store for layer in llm.model_runner.attn_layers)
