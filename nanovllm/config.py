@@ -79,8 +79,13 @@ class Config:
         tp = self.tensor_parallel_size
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
             value = getattr(self.hf_config, name, None)
-            if value is not None and value % tp:  # the vocabulary need not divide: it is padded
+            if value is None or value % tp == 0:  # the vocabulary need not divide: it is padded
+                continue
+            if name != "num_key_value_heads":
                 raise ValueError(f"the model's {name}={value} does not divide by tensor_parallel_size={tp}")
+            if tp % value:  # fewer KV heads than ranks: each is replicated on tp / value ranks
+                raise ValueError(f"the model's num_key_value_heads={value} neither divides by tensor_parallel_size="
+                                 f"{tp} nor divides it (to replicate each KV head on {tp} / {value} ranks)")
         if self.device == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} are visible")
         if self.dtype == "auto":

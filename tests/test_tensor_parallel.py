@@ -71,9 +71,54 @@ def test_vocabulary_that_does_not_divide_is_padded(tmp_path):
         assert_greedy_matches_hf(hf, prompt, out["token_ids"])
 
 
-def test_heads_that_do_not_divide_are_refused(tiny_model):
-    with pytest.raises(ValueError, match="num_key_value_heads=2 does not divide by tensor_parallel_size=4"):
-        LLM(tiny_model, tensor_parallel_size=4)
+def test_heads_that_do_not_divide_are_refused(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="num_attention_heads=4 does not divide by tensor_parallel_size=3"):
+        LLM(tiny_model, tensor_parallel_size=3)
+    path = make_random_checkpoint(tmp_path / "kv3", "tiny", num_attention_heads=12, num_key_value_heads=3,
+                                  with_weights=False)
+    with pytest.raises(ValueError, match="num_key_value_heads=3 neither divides by tensor_parallel_size=4 nor"):
+        LLM(str(path), tensor_parallel_size=4)
+
+
+def ranks_of(monkeypatch, tp: int, **layer_args) -> list:
+    """The QKV layer of each of `tp` ranks, built as that rank would build it (no process group needed)."""
+    from nanovllm.layers import linear
+    layers = []
+    for rank in range(tp):
+        monkeypatch.setattr(linear, "tp_rank", lambda: rank)
+        monkeypatch.setattr(linear, "tp_size", lambda: tp)
+        layers.append(linear.QKVParallelLinear(**layer_args))
+    return layers
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated_to_the_ranks_that_read_them(monkeypatch):
+    import torch
+    head_dim, num_heads, num_kv_heads, tp = 2, 8, 2, 4
+    weights = {name: torch.arange(heads * head_dim, dtype=torch.float32)[:, None].repeat(1, 3) + 100 * i
+               for i, (name, heads) in enumerate((("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads)))}
+    for rank, layer in enumerate(ranks_of(monkeypatch, tp, hidden_size=3, head_dim=head_dim, num_heads=num_heads,
+                                          num_kv_heads=num_kv_heads)):
+        assert (layer.num_heads, layer.num_kv_heads) == (2, 1)
+        for name in "qkv":
+            layer.weight_loader(layer.weight, weights[name], name)
+        q, k, v = layer.weight[:, 0].split([2 * head_dim, head_dim, head_dim])
+        kv_head = rank * num_heads // tp // (num_heads // num_kv_heads)  # the KV head its query heads read
+        assert q.tolist() == list(range(rank * 2 * head_dim, (rank + 1) * 2 * head_dim))
+        assert k.tolist() == [100 + kv_head * head_dim + d for d in range(head_dim)]
+        assert v.tolist() == [200 + kv_head * head_dim + d for d in range(head_dim)]
+    with pytest.raises(ValueError, match="num_key_value_heads=2 neither divides by tensor_parallel_size=3"):
+        ranks_of(monkeypatch, 3, hidden_size=3, head_dim=2, num_heads=6, num_kv_heads=2)
+
+
+def test_one_kv_head_at_tp2_matches_hf(tmp_path):
+    from transformers import AutoModelForCausalLM
+    path = make_random_checkpoint(tmp_path / "mqa", "tiny", num_key_value_heads=1)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    with LLM(str(path), kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        assert llm.model_runner.attn_layers[0].num_kv_heads == 1
+        greedy = generate_twice(llm)
+    for prompt, out in zip(PROMPTS, greedy):
+        assert_greedy_matches_hf(hf, prompt, out["token_ids"])
 
 
 def test_message_buffer_grows(tiny_model, monkeypatch):

@@ -85,21 +85,31 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matmul; each rank holds its own heads of each."""
+    """q, k and v projections in one matmul; each rank holds its own heads of each. With fewer KV heads than
+    ranks (as vLLM), each KV head is replicated on the tensor_parallel_size / num_kv_heads ranks whose query
+    heads read it, so every rank holds one."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         n = tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, n, "num_attention_heads")
-        self.num_kv_heads = divide(num_kv_heads, n, "num_key_value_heads")
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        if num_kv_heads < n and n % num_kv_heads:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} neither divides by tensor_parallel_size={n} nor "
+                             f"divides it (to replicate each KV head on {n} / {num_kv_heads} ranks)")
+        self.num_kv_heads = max(num_kv_heads // n, 1)
+        self.kv_shards = min(num_kv_heads, n)  # distinct KV slices: rank r holds slice r * kv_shards // n
+        super().__init__(hidden_size, (num_heads + 2 * self.num_kv_heads * n) * head_dim, bias)
         for param in self.parameters():
             param.shard_ids = ("q", "k", "v")
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            shard = tp_shard(loaded_weight, 0, q_size, self.tp_rank, self.tp_size)
+        else:
+            shard = tp_shard(loaded_weight, 0, kv_size, self.tp_rank * self.kv_shards // self.tp_size,
+                             self.kv_shards)
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        shard = tp_shard(loaded_weight, 0, size, self.tp_rank, self.tp_size)
         copy_weight(param.data.narrow(0, offset, size), shard)
 
 
