@@ -7,10 +7,14 @@ slowest steps of the timed run (wall time, prefill and decode tokens), and how m
 (flash-attn-4's cache of compiled kernels and torch.compile's frames): a tail that comes from a compile mid-serving
 shows there.
 
-    python benchmarks/latency.py [--model PATH] [--num-requests 200] [--rate 20]
+    python benchmarks/latency.py [--model PATH] [--num-requests 200] [--rate 20] [--budgets 512 2048 16384]
+
+`--budgets`: the token budgets (`max_num_batched_tokens`) of the mixed steps to compare; a smaller one cuts the
+long prompts into more chunks, so decodes beside them wait less and first tokens come later.
 """
 import argparse
 import asyncio
+import dataclasses
 import random
 import statistics
 import time
@@ -18,6 +22,9 @@ import time
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+
+DEFAULT_BUDGET = next(f.default for f in dataclasses.fields(Config) if f.name == "max_num_batched_tokens")
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
 
@@ -71,6 +78,8 @@ def main():
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--rate", type=float, default=20.0, help="requests per second")
     parser.add_argument("--max-output-len", type=int, default=512)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[DEFAULT_BUDGET],
+                        help="token budgets of the mixed steps (max_num_batched_tokens), each its own run")
     args = parser.parse_args()
     path = args.model or str(default_checkpoint("qwen3-0.6b" if torch.cuda.is_available() else "tiny"))
 
@@ -80,8 +89,9 @@ def main():
                  SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(min(100, args.max_output_len), args.max_output_len)))
                 for _ in range(args.num_requests)]
     rows, notes = [], []
-    for prefill_first in (False, True):
-        with LLM(path, prefill_first=prefill_first) as llm:
+    policies = [(f"mixed, budget {b}" if len(args.budgets) > 1 else "mixed", False, b) for b in args.budgets]
+    for name, prefill_first, budget in [*policies, ("prefill-first", True, DEFAULT_BUDGET)]:
+        with LLM(path, prefill_first=prefill_first, max_num_batched_tokens=budget) as llm:
             # a short burst first: every kind of step has run (and compiled) before the clock starts
             warmup = [(prompt, SamplingParams(max_tokens=8, ignore_eos=True)) for prompt, _ in requests[:16]]
             asyncio.run(drive(llm, warmup, 4 * args.rate, seed=1))
@@ -93,7 +103,6 @@ def main():
         ttft = [r[0] for r in results]
         itl = [gap for r in results for gap in r[1]]
         tokens = sum(len(r[1]) + 1 for r in results)
-        name = "prefill-first" if prefill_first else "mixed"
         rows.append((name, percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50), percentile(itl, 99),
                      tokens / elapsed))
         slowest = sorted(steps, reverse=True)[:5]
