@@ -5,6 +5,7 @@ import random
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import step_output
@@ -165,3 +166,37 @@ def test_tensor_parallel_overlap_equals_synchronous(tiny_model):
     off = run(tiny_model, batch, params, False, kvcache_block_size=16)
     same_outputs(on[0], off[0])
     same_outputs(on[1], off[1])
+
+
+@pytest.fixture(scope="module")
+def engine_pair(tiny_model):
+    """Overlap on and off, with chunked prompts beside decodes and a cache small enough to preempt."""
+    args = dict(kvcache_block_size=16, num_kvcache_blocks=12, max_num_batched_tokens=48, max_num_seqs=6)
+    with LLM(tiny_model, async_scheduling=True, **args) as on, LLM(tiny_model, async_scheduling=False, **args) as off:
+        yield on, off
+
+
+@st.composite
+def requests(draw):
+    def params():
+        max_tokens = draw(st.integers(1, 24))
+        return SamplingParams(
+            temperature=draw(st.sampled_from([0.0, 0.9])), seed=draw(st.integers(0, 9)), max_tokens=max_tokens,
+            min_tokens=draw(st.integers(0, max_tokens)), ignore_eos=draw(st.booleans()),
+            stop_token_ids=draw(st.lists(st.integers(3, 511), max_size=40)),
+            stop=draw(st.lists(st.text("abcde ", min_size=1, max_size=2), max_size=2)),
+            repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.8])))
+    n = draw(st.integers(2, 7))
+    return [draw(st.lists(st.integers(3, 511), min_size=8, max_size=80)) for _ in range(n)], [params() for _ in range(n)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests())
+def test_overlap_equals_synchronous_for_any_requests(engine_pair, batch_and_params):
+    """Whatever ends each request (stop tokens and strings, min_tokens, max_tokens, EOS, the model length), with
+    preemption and prefix hits from the examples before: the same tokens, text and finish reasons."""
+    on, off = engine_pair
+    same_outputs(on.generate(*batch_and_params, use_tqdm=False), off.generate(*batch_and_params, use_tqdm=False))
+    for llm in engine_pair:
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"] and llm.is_finished()
