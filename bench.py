@@ -66,7 +66,10 @@ def main():
         llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
                   tensor_parallel_size=args.tp, prefill_first=args.prefill_first, load_format=load_format,
                   kv_cache_dtype=args.kv_cache_dtype, async_scheduling=not args.no_async_scheduling)
-        where = f"{llm.config.device}, {llm.config.dtype}, KV {llm.config.kv_cache_dtype}, TP={args.tp}"
+        runner = llm.model_runner
+        where = (f"{llm.config.device}, {llm.config.dtype}, KV {llm.config.kv_cache_dtype}, TP={args.tp}"
+                 + (", piecewise graphs" if runner.piecewise else "")
+                 + (", fused rope+store" if runner.attn_layers[0].fuse_rope_store else ""))
         print(f"nano-vllm on {model} ({where}): {len(prompt_token_ids)} prompts, {sum(output_lens)} tokens to "
               "generate", flush=True)
         sampling_params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
