@@ -8,8 +8,8 @@ the n real tokens, with the step's own metadata. The padding rows (stale ids and
 through the pieces only, where rows are independent, so they change no real row; they reach no attention and
 no cache slot.
 
-The pieces hand their results over in static buffers that every size shares (the first rows of each): q, k, v,
-the residual, the attention's output and the final hidden states. So a piece's intermediates are free when it
+The pieces hand their results over in static buffers that every size shares (the first rows of each): q, k and v
+(k and v only when the attention stores them), the residual, the attention's output and the final hidden states. So a piece's intermediates are free when it
 ends, and one memory pool serves every graph.
 """
 from functools import partial
@@ -73,8 +73,10 @@ class PiecewiseGraphs:
         if i == len(decoder.layers):
             self.hidden_states[:n] = out
             return
-        for buffer, value in zip((self.q, self.k, self.v, self.residual), out):
-            buffer[:n] = value
+        q, k, v, residual = out
+        self.q[:n], self.residual[:n] = q, residual
+        if not decoder.layers[i].self_attn.attn.fused_store:  # else k and v are in the cache: not read again
+            self.k[:n], self.v[:n] = k, v
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.sizes[-1]
