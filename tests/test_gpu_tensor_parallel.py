@@ -49,6 +49,22 @@ def test_tp_equals_tp1_with_graphs_on_every_rank(qwen3_small, tp):
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
+def test_fewer_kv_heads_than_ranks_match_hf(tmp_path, tp):
+    """Two KV heads on tp ranks: each KV head replicated on tp / 2 of them."""
+    from transformers import AutoModelForCausalLM
+    from nanovllm.utils.random_checkpoint import make_random_checkpoint
+    path = str(make_random_checkpoint(tmp_path / "kv2", "qwen3-0.6b", num_hidden_layers=4, num_key_value_heads=2))
+    batch = prompts(8, seed=9, lo=20, hi=300)
+    llm = LLM(path, tensor_parallel_size=tp, **ENGINE)
+    assert llm.model_runner.attn_layers[0].num_kv_heads == 1
+    got = [o["token_ids"] for o in llm.generate(batch, greedy(24), use_tqdm=False)]
+    within(60, llm.close)
+    hf = OnCuda(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda())
+    for prompt, out in zip(batch, got):
+        assert_greedy_matches_hf(hf, prompt, out, atol=0.15)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
 def test_killed_worker_fails_waiting_calls_within_seconds(qwen3_small, tp):
     """Rank 0 may wait in an NCCL collective (in a CUDA graph) for the dead peer: the engine's watch over its
     workers fails the calls and aborts the collectives, then `close()` tears down and frees the GPU. NCCL's
