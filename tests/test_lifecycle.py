@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.request import RequestHandle
 from nanovllm.engine.step_output import StepOutput
 from tests.conftest import within
 
@@ -175,6 +176,47 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves_on(ti
             streamed.result(timeout=5)
         assert_idle_and_clean(llm)
         assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "synchronous"])
+def test_a_request_whose_finish_fails_fails_its_waiters_and_the_engine_serves_on(tiny_model, monkeypatch,
+                                                                                 async_scheduling):
+    # (finishing detokenizes: a tokenizer that cannot decode a sampled id raises there)
+    with LLM(tiny_model, kvcache_block_size=16, async_scheduling=async_scheduling) as llm:
+        expected = llm.generate([PROMPT], GREEDY)[0]["token_ids"]
+        finish, faults = RequestHandle._on_finish, []
+
+        def failing_finish(handle, last_token_ids):
+            if not faults:
+                faults.append(handle)
+                raise RuntimeError("injected finish fault")
+            return finish(handle, last_token_ids)
+
+        monkeypatch.setattr(RequestHandle, "_on_finish", failing_finish)
+        with pytest.raises(RuntimeError, match="injected finish fault"):
+            within(30, llm.generate, [PROMPT, [4, 5]], GREEDY)
+        with pytest.raises(RuntimeError, match="injected finish fault"):
+            faults[0].result(timeout=5)
+        assert_idle_and_clean(llm)
+        assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
+
+
+def test_close_ends_every_waiting_call_when_finishing_one_fails(tiny_model, monkeypatch):
+    llm = LLM(tiny_model, kvcache_block_size=16)
+    handles = [llm.submit(PROMPT, LONG), llm.submit([4, 5], LONG)]
+    within(30, next, iter(handles[1]))
+    finish = RequestHandle._on_finish
+
+    def failing_finish(handle, last_token_ids):
+        if handle is handles[0]:
+            raise RuntimeError("injected finish fault")
+        return finish(handle, last_token_ids)
+
+    monkeypatch.setattr(RequestHandle, "_on_finish", failing_finish)
+    within(30, llm.close)
+    with pytest.raises(RuntimeError, match="injected finish fault"):
+        handles[0].result(timeout=5)
+    assert handles[1].result(timeout=5)["finish_reason"] == "abort"
 
 
 def test_a_dead_loop_thread_fails_its_requests_and_names_why(tiny_model, monkeypatch):

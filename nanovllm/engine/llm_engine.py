@@ -238,9 +238,10 @@ class LLMEngine:
                     self.scheduler.finish(seq, "stop")
                     finished.append(seq)
         for seq in finished:
-            handle = handles.pop(seq.seq_id, None)
+            handle = handles.get(seq.seq_id)
             if handle is not None:
                 handle._on_finish([seq.last_token])
+                del handles[seq.seq_id]  # only now: if finishing raised, the step's failure fails this handle too
         return finished
 
     # ---- offline batches ----------------------------------------------------------------------------

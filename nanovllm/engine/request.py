@@ -301,7 +301,10 @@ class EngineLoop:
             else:
                 handle.seq.finish_reason = handle.seq.finish_reason or "abort"
                 handle.seq.drop_pending()  # a token still on the device is not part of the output
-                handle._on_finish([])
+                try:
+                    handle._on_finish([])
+                except Exception as e:  # (detokenizing failed) its waiters get the error, the others their outputs
+                    handle._on_error(e)
         self.handles.clear()
 
     def stop(self, timeout: float) -> bool:
