@@ -187,16 +187,20 @@ def requests(draw):
             stop=draw(st.lists(st.text("abcde ", min_size=1, max_size=2), max_size=2)),
             repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.8])))
     n = draw(st.integers(2, 7))
-    return [draw(st.lists(st.integers(3, 511), min_size=8, max_size=80)) for _ in range(n)], [params() for _ in range(n)]
+    batch = [draw(st.lists(st.integers(3, 511), min_size=8, max_size=80)) for _ in range(n)]
+    return batch, [params() for _ in range(n)]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests())
 def test_overlap_equals_synchronous_for_any_requests(engine_pair, batch_and_params):
-    """Whatever ends each request (stop tokens and strings, min_tokens, max_tokens, EOS, the model length), with
-    preemption and prefix hits from the examples before: the same tokens, text and finish reasons."""
+    """Whatever ends each request (stop tokens and strings, min_tokens, max_tokens, EOS), with preemption and
+    prefix hits from the examples before: the same tokens, text and finish reasons. (Not the same prefix hits:
+    with overlap a finished request's blocks are freed a step later, so the two caches evict in another order.)"""
     on, off = engine_pair
-    same_outputs(on.generate(*batch_and_params, use_tqdm=False), off.generate(*batch_and_params, use_tqdm=False))
+    outputs = [llm.generate(*batch_and_params, use_tqdm=False) for llm in engine_pair]
+    for x, y in zip(*outputs, strict=True):
+        assert {k: x[k] for k in x if k != "num_cached_tokens"} == {k: y[k] for k in y if k != "num_cached_tokens"}
     for llm in engine_pair:
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"] and llm.is_finished()

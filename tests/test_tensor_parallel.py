@@ -76,7 +76,7 @@ def test_heads_that_do_not_divide_are_refused(tiny_model, tmp_path):
         LLM(tiny_model, tensor_parallel_size=3)
     path = make_random_checkpoint(tmp_path / "kv3", "tiny", num_attention_heads=12, num_key_value_heads=3,
                                   with_weights=False)
-    with pytest.raises(ValueError, match="num_key_value_heads=3 neither divides by tensor_parallel_size=4 nor"):
+    with pytest.raises(ValueError, match="the model.s num_key_value_heads=3 neither divides by tensor_parallel_size=4"):
         LLM(str(path), tensor_parallel_size=4)
 
 

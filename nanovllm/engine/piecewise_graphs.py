@@ -8,9 +8,9 @@ the n real tokens, with the step's own metadata. The padding rows (stale ids and
 through the pieces only, where rows are independent, so they change no real row; they reach no attention and
 no cache slot.
 
-The pieces hand their results over in static buffers that every size shares (the first rows of each): q, k and v
-(k and v only when the attention stores them), the residual, the attention's output and the final hidden states. So a piece's intermediates are free when it
-ends, and one memory pool serves every graph.
+The pieces hand their results over in static buffers that every size shares (the first rows of each): q, k and
+v (k and v only when the attention stores them), the residual, the attention's output and the final hidden
+states. So a piece's intermediates are free when it ends, and one memory pool serves every graph.
 """
 from functools import partial
 
