@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.request import RequestHandle
 from nanovllm.engine.step_output import StepOutput
-from tests.conftest import within
+from tests.conftest import in_background, within
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)  # runs for over 10 s on the tiny model
@@ -217,6 +218,39 @@ def test_close_ends_every_waiting_call_when_finishing_one_fails(tiny_model, monk
     with pytest.raises(RuntimeError, match="injected finish fault"):
         handles[0].result(timeout=5)
     assert handles[1].result(timeout=5)["finish_reason"] == "abort"
+
+
+def test_a_stream_whose_text_fails_ends_with_the_error_and_so_do_the_requests_beside_it(tiny_model, monkeypatch):
+    # an asyncio listener's text is made by whoever steps; a tokenizer that cannot decode a sampled id raises there,
+    # and again when the step's failure finishes the stream with the error
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        expected = llm.generate([PROMPT], GREEDY)[0]["token_ids"]
+        push, undecodable = IncrementalDetokenizer.push, threading.Event()
+
+        def failing_push(detokenizer, token_ids):
+            if undecodable.is_set():
+                raise ValueError("injected undecodable token")
+            return push(detokenizer, token_ids)
+
+        monkeypatch.setattr(IncrementalDetokenizer, "push", failing_push)
+        increments = []
+
+        async def consume():
+            async for increment in llm.stream(PROMPT, LONG):
+                increments.append(increment)
+
+        streaming, outcome = in_background(asyncio.run, consume())
+        wait_until(lambda: increments)
+        beside = llm.submit([8, 9], LONG)  # nobody reads it: its text is never made
+        wait_until(lambda: llm.stats()["num_running"] == 2)
+        undecodable.set()
+        streaming.join(10)
+        assert not streaming.is_alive(), "the async stream still waits"
+        assert isinstance(outcome.get("error"), ValueError)
+        with pytest.raises(ValueError, match="injected undecodable token"):
+            beside.result(timeout=10)
+        assert_idle_and_clean(llm)
+        assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
 
 
 def test_a_dead_loop_thread_fails_its_requests_and_names_why(tiny_model, monkeypatch):

@@ -115,12 +115,20 @@ class RequestHandle:
         made = last is not None
         if self._unread and not finished:
             detokenizer = self._detokenizer
-            if not self.seq.params.stop:  # else the text is there already: stop strings needed it at once
-                detokenizer.push(self._unread)
-            end = max(len(detokenizer.text) - self._holdback, self._streamed)
-            self._record({"token_ids": self._unread, "text": detokenizer.text[self._streamed:end],
-                          "finished": False})
-            self._unread, self._streamed, made = [], end, True
+            try:
+                if not self.seq.params.stop:  # else the text is there already: stop strings needed it at once
+                    detokenizer.push(self._unread)
+            except Exception:
+                if last is None:
+                    raise  # the reader's (or the step's) error; the tokens stay unread
+                # finishing with an error: that error still ends the stream, without these tokens (whose text
+                # could not be made); raising here would lose it and leave readers and listeners waiting
+                self._unread = []
+            else:
+                end = max(len(detokenizer.text) - self._holdback, self._streamed)
+                self._record({"token_ids": self._unread, "text": detokenizer.text[self._streamed:end],
+                              "finished": False})
+                self._unread, self._streamed, made = [], end, True
         if finished:
             last_token_ids, output = last
             self._record({"token_ids": self._unread + last_token_ids, "text": output["text"][self._streamed:],
