@@ -253,6 +253,29 @@ def test_a_stream_whose_text_fails_ends_with_the_error_and_so_do_the_requests_be
         assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
 
 
+def test_an_abort_whose_finish_fails_fails_that_request_alone(tiny_model, monkeypatch):
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        expected = llm.generate([PROMPT], GREEDY)[0]["token_ids"]
+        aborted = llm.submit(PROMPT, LONG)
+        within(30, next, iter(aborted))
+        finish = RequestHandle._on_finish
+
+        def failing_finish(handle, last_token_ids):
+            if handle is aborted:
+                raise RuntimeError("injected finish fault")
+            return finish(handle, last_token_ids)
+
+        monkeypatch.setattr(RequestHandle, "_on_finish", failing_finish)
+        with llm._loop.step_lock:  # the abort and the next request reach the engine in one take of its inbox
+            aborted.abort()
+            beside = llm.submit([8, 9], GREEDY)
+        assert len(within(15, beside.result)["token_ids"]) == 8
+        with pytest.raises(RuntimeError, match="injected finish fault"):
+            aborted.result(timeout=5)
+        assert_idle_and_clean(llm)
+        assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
+
+
 def test_a_dead_loop_thread_fails_its_requests_and_names_why(tiny_model, monkeypatch):
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         handle = llm.submit(PROMPT, LONG)

@@ -151,8 +151,11 @@ class LLMEngine:
                 seq = handle.seq
                 self.scheduler.abort(seq)
                 seq.finish_reason = "abort"
-                handle._on_finish([])
-                del self._loop.handles[handle.request_id]  # only now: if finishing raised, the loop fails it
+                try:
+                    handle._on_finish([])
+                except Exception as e:  # (detokenizing failed) it fails alone: the rest of the inbox is taken in
+                    handle._on_error(e)
+                del self._loop.handles[handle.request_id]
         return not self.scheduler.is_finished() or self._in_flight is not None
 
     def _run_once(self) -> bool:
