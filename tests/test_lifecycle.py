@@ -147,6 +147,31 @@ def test_close_ends_every_waiting_call(tiny_model):
         llm.add_request(PROMPT, GREEDY)
 
 
+def test_close_ends_a_request_the_loop_thread_is_taking_in(tiny_model, monkeypatch):
+    llm = LLM(tiny_model, kvcache_block_size=16)
+    loop = llm._loop
+    take_inbox, finish_all = loop.take_inbox, loop.finish_all
+    taking, finished_all = threading.Event(), threading.Event()
+
+    def slow_take_inbox():
+        inbox = take_inbox()
+        if inbox and threading.current_thread() is loop.thread:  # close() runs right after the thread took it
+            taking.set()
+            finished_all.wait(10)
+        return inbox
+
+    def finish_all_then_tell(error=None):
+        finish_all(error)
+        finished_all.set()
+
+    monkeypatch.setattr(loop, "take_inbox", slow_take_inbox)
+    monkeypatch.setattr(loop, "finish_all", finish_all_then_tell)
+    handle = llm.submit(PROMPT, LONG)
+    assert taking.wait(30)
+    within(30, llm.close)
+    assert within(10, handle.result)["finish_reason"] == "abort"
+
+
 def test_a_request_racing_close_is_refused_not_lost(tiny_model, monkeypatch):
     llm = LLM(tiny_model, kvcache_block_size=16)
     monkeypatch.setattr(llm, "check_workers", lambda: None)  # as if close() ran right after this check

@@ -144,9 +144,9 @@ class LLMEngine:
     def _take_inbox(self) -> bool:
         """Take in new requests and aborts; True when there is work to step."""
         for kind, handle in self._loop.take_inbox():
-            if kind == "add":
-                self._loop.handles[handle.request_id] = handle
-                self.scheduler.add(handle.seq)
+            if kind == "add":  # (take_inbox put it in the table)
+                if not handle.finished:  # (close() may have ended it on its way in)
+                    self.scheduler.add(handle.seq)
             elif handle.request_id in self._loop.handles:
                 seq = handle.seq
                 self.scheduler.abort(seq)

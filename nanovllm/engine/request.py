@@ -247,8 +247,13 @@ class EngineLoop:
             self.cond.notify()
 
     def take_inbox(self) -> list[tuple[str, RequestHandle]]:
+        """Empty the inbox; its new requests join the table here, under the lock that `finish_all` takes the
+        inbox under, so that close() never misses a request on its way from the one to the other."""
         with self.cond:
             inbox, self.inbox = self.inbox, []
+            for kind, handle in inbox:
+                if kind == "add":
+                    self.handles[handle.request_id] = handle
         return inbox
 
     def need_progress(self):
@@ -301,9 +306,8 @@ class EngineLoop:
 
     def finish_all(self, error: BaseException | None = None):
         """End every request not yet finished: with `error`, or else as aborted."""
-        for kind, handle in self.take_inbox() + [("add", h) for h in list(self.handles.values())]:
-            if kind != "add":
-                continue
+        self.take_inbox()  # its requests join the table; its aborts are moot
+        for handle in list(self.handles.values()):
             if error is not None:
                 handle._on_error(error)
             else:
