@@ -172,6 +172,23 @@ def test_close_ends_a_request_the_loop_thread_is_taking_in(tiny_model, monkeypat
     assert within(10, handle.result)["finish_reason"] == "abort"
 
 
+def test_a_step_racing_close_returns_what_it_finished(tiny_model, monkeypatch):
+    llm = LLM(tiny_model, kvcache_block_size=16)
+    handle = llm.add_request(PROMPT, GREEDY)
+    finish = RequestHandle._on_finish
+
+    def finish_then_close(h, last_token_ids):
+        finish(h, last_token_ids)
+        within(30, llm.close)  # another thread's close(), while this step tidies up after the request it finished
+
+    monkeypatch.setattr(RequestHandle, "_on_finish", finish_then_close)
+    finished = []
+    while not handle.finished:
+        finished += within(30, llm.step)[0]
+    assert finished == [(handle.request_id, handle.result(timeout=0)["token_ids"])]
+    assert handle.result(timeout=0)["finish_reason"] == "length"
+
+
 def test_a_request_racing_close_is_refused_not_lost(tiny_model, monkeypatch):
     llm = LLM(tiny_model, kvcache_block_size=16)
     monkeypatch.setattr(llm, "check_workers", lambda: None)  # as if close() ran right after this check

@@ -155,7 +155,7 @@ class LLMEngine:
                     handle._on_finish([])
                 except Exception as e:  # (detokenizing failed) it fails alone: the rest of the inbox is taken in
                     handle._on_error(e)
-                del self._loop.handles[handle.request_id]
+                self._loop.handles.pop(handle.request_id, None)  # (close() may have emptied the table)
         return not self.scheduler.is_finished() or self._in_flight is not None
 
     def _run_once(self) -> bool:
@@ -188,7 +188,7 @@ class LLMEngine:
             self._in_flight = None
             for seq in [*self.scheduler.waiting, *self.scheduler.running]:
                 self.scheduler.abort(seq)
-            for handle in self._loop.handles.values():
+            for handle in list(self._loop.handles.values()):  # (close() may empty the table meanwhile)
                 handle._on_error(error)
             self._loop.handles.clear()
             raise
@@ -244,7 +244,9 @@ class LLMEngine:
             handle = handles.get(seq.seq_id)
             if handle is not None:
                 handle._on_finish([seq.last_token])
-                del handles[seq.seq_id]  # only now: if finishing raised, the step's failure fails this handle too
+                # only now: if finishing raised, the step's failure fails this handle too (pop: a close() in
+                # another thread may have emptied the table meanwhile)
+                handles.pop(seq.seq_id, None)
         return finished
 
     # ---- offline batches ----------------------------------------------------------------------------
