@@ -221,6 +221,24 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves_on(ti
         assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
 
 
+def test_a_failing_step_fails_its_requests_even_when_emptying_the_scheduler_fails(tiny_model, monkeypatch):
+    # a scheduler that raised mid-step may be in no state to abort its sequences either
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        handle = llm.submit(PROMPT, LONG)
+        within(30, next, iter(handle))
+
+        def broken_schedule():
+            raise RuntimeError("injected scheduler fault")
+
+        def broken_abort(seq):
+            raise AssertionError("injected abort fault")
+
+        monkeypatch.setattr(llm.scheduler, "schedule", broken_schedule)
+        monkeypatch.setattr(llm.scheduler, "abort", broken_abort)
+        with pytest.raises(RuntimeError, match="injected scheduler fault"):
+            within(10, handle.result)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "synchronous"])
 def test_a_request_whose_finish_fails_fails_its_waiters_and_the_engine_serves_on(tiny_model, monkeypatch,
                                                                                  async_scheduling):

@@ -186,11 +186,12 @@ class LLMEngine:
             return self._pipelined_step()
         except BaseException as error:  # fail every request in flight and leave the scheduler empty
             self._in_flight = None
-            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-                self.scheduler.abort(seq)
+            # the requests first: a scheduler that raised may raise again when it aborts its sequences
             for handle in list(self._loop.handles.values()):  # (close() may empty the table meanwhile)
                 handle._on_error(error)
             self._loop.handles.clear()
+            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                self.scheduler.abort(seq)
             raise
 
     def _pipelined_step(self) -> tuple[list[Sequence], int, int]:
