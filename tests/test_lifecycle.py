@@ -364,6 +364,22 @@ def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(llm):
     assert len(within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"]) == 8
 
 
+def test_keyboard_interrupt_as_generate_submits_leaves_the_engine_usable(llm, monkeypatch):
+    # ^C once the requests are posted, before generate() waits on them (here: as it wakes the loop thread)
+    start = llm._loop.start
+
+    def interrupted_start():
+        start()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm._loop, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT, [8, 9]], LONG)
+    monkeypatch.undo()
+    assert_idle_and_clean(llm, ABORTED_WITHIN)  # the interrupted requests were aborted
+    assert len(within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"]) == 8
+
+
 # ---- user mistakes -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("prompts, params, match", [
     (["a"], {"max_tokens": 3}, r"sampling_params must be a SamplingParams or a list .* not dict"),

@@ -138,7 +138,12 @@ class LLMEngine:
             handles[0]._add_listener(listener)
         self._loop.post("add", *handles)
         if start:
-            self._loop.start()
+            try:
+                self._loop.start()
+            except BaseException:  # (^C) the caller never gets the handles, so nobody would end these requests
+                for handle in handles:
+                    handle.abort()
+                raise
         return handles
 
     def _take_inbox(self) -> bool:
@@ -262,10 +267,10 @@ class LLMEngine:
         token_ids = [self.encode(prompt) for prompt in prompts]  # every prompt is checked before any runs
         if not token_ids:
             return []
-        handles = self._submit(token_ids, params, stream=False)
         if use_tqdm is None:
             use_tqdm = sys.stderr.isatty()
-        try:
+        handles = self._submit(token_ids, params, stream=False)
+        try:  # (at once: a ^C from here on aborts the requests)
             with tqdm(total=len(handles), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
                 for handle in handles:
                     while not handle._done.wait(0.1):
