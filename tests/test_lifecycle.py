@@ -336,6 +336,21 @@ def test_an_abort_whose_finish_fails_fails_that_request_alone(tiny_model, monkey
         assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
 
 
+def test_a_stop_string_search_that_fails_fails_the_requests_in_flight(tiny_model, monkeypatch):
+    # (stop strings need the text at once: the step detokenizes each token, and a tokenizer may raise there)
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        expected = llm.generate([PROMPT], GREEDY)[0]["token_ids"]
+
+        def failing_find_stop(detokenizer, stops):
+            raise ValueError("injected stop-string fault")
+
+        monkeypatch.setattr(IncrementalDetokenizer, "find_stop", failing_find_stop)
+        with pytest.raises(ValueError, match="injected stop-string fault"):
+            within(30, llm.generate, [PROMPT, [4, 5]], SamplingParams(max_tokens=8, stop=["zz"]))
+        assert_idle_and_clean(llm)
+        assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
+
+
 def test_a_dead_loop_thread_fails_its_requests_and_names_why(tiny_model, monkeypatch):
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         handle = llm.submit(PROMPT, LONG)
