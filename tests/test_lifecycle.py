@@ -41,6 +41,26 @@ def assert_idle_and_clean(llm: LLM, seconds: float = 30):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def raising(error: BaseException):
+    """A stand-in for any function or method: it raises `error`."""
+    def fn(*args, **kwargs):
+        raise error
+    return fn
+
+
+def running(llm: LLM):
+    """A LONG request on PROMPT that has made its first increment."""
+    handle = llm.submit(PROMPT, LONG)
+    within(30, next, iter(handle))
+    return handle
+
+
+def assert_serves_on(llm: LLM, expected: list[int]):
+    """After a fault: nothing left running or holding blocks, and PROMPT's greedy tokens are still `expected`."""
+    assert_idle_and_clean(llm)
+    assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
+
+
 def script_tokens(monkeypatch, llm: LLM, script: list[int]):
     """The model "samples" script[i] as the i-th completion token of every sequence."""
     def run(seqs):
@@ -217,24 +237,16 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves_on(ti
             within(5, list, streamed)
         with pytest.raises(RuntimeError, match="injected fault"):
             streamed.result(timeout=5)
-        assert_idle_and_clean(llm)
-        assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
+        assert_serves_on(llm, expected)
 
 
 def test_a_failing_step_fails_its_requests_even_when_emptying_the_scheduler_fails(tiny_model, monkeypatch):
     # a scheduler that raised mid-step may be in no state to abort its sequences either
     with LLM(tiny_model, kvcache_block_size=16) as llm:
-        handle = llm.submit(PROMPT, LONG)
-        within(30, next, iter(handle))
+        handle = running(llm)
 
-        def broken_schedule():
-            raise RuntimeError("injected scheduler fault")
-
-        def broken_abort(seq):
-            raise AssertionError("injected abort fault")
-
-        monkeypatch.setattr(llm.scheduler, "schedule", broken_schedule)
-        monkeypatch.setattr(llm.scheduler, "abort", broken_abort)
+        monkeypatch.setattr(llm.scheduler, "schedule", raising(RuntimeError("injected scheduler fault")))
+        monkeypatch.setattr(llm.scheduler, "abort", raising(AssertionError("injected abort fault")))
         with pytest.raises(RuntimeError, match="injected scheduler fault"):
             within(10, handle.result)
 
@@ -258,8 +270,7 @@ def test_a_request_whose_finish_fails_fails_its_waiters_and_the_engine_serves_on
             within(30, llm.generate, [PROMPT, [4, 5]], GREEDY)
         with pytest.raises(RuntimeError, match="injected finish fault"):
             faults[0].result(timeout=5)
-        assert_idle_and_clean(llm)
-        assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
+        assert_serves_on(llm, expected)
 
 
 def test_close_ends_every_waiting_call_when_finishing_one_fails(tiny_model, monkeypatch):
@@ -309,15 +320,13 @@ def test_a_stream_whose_text_fails_ends_with_the_error_and_so_do_the_requests_be
         assert isinstance(outcome.get("error"), ValueError)
         with pytest.raises(ValueError, match="injected undecodable token"):
             beside.result(timeout=10)
-        assert_idle_and_clean(llm)
-        assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
+        assert_serves_on(llm, expected)
 
 
 def test_an_abort_whose_finish_fails_fails_that_request_alone(tiny_model, monkeypatch):
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         expected = llm.generate([PROMPT], GREEDY)[0]["token_ids"]
-        aborted = llm.submit(PROMPT, LONG)
-        within(30, next, iter(aborted))
+        aborted = running(llm)
         finish = RequestHandle._on_finish
 
         def failing_finish(handle, last_token_ids):
@@ -332,34 +341,24 @@ def test_an_abort_whose_finish_fails_fails_that_request_alone(tiny_model, monkey
         assert len(within(15, beside.result)["token_ids"]) == 8
         with pytest.raises(RuntimeError, match="injected finish fault"):
             aborted.result(timeout=5)
-        assert_idle_and_clean(llm)
-        assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
+        assert_serves_on(llm, expected)
 
 
 def test_a_stop_string_search_that_fails_fails_the_requests_in_flight(tiny_model, monkeypatch):
     # (stop strings need the text at once: the step detokenizes each token, and a tokenizer may raise there)
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         expected = llm.generate([PROMPT], GREEDY)[0]["token_ids"]
-
-        def failing_find_stop(detokenizer, stops):
-            raise ValueError("injected stop-string fault")
-
-        monkeypatch.setattr(IncrementalDetokenizer, "find_stop", failing_find_stop)
+        monkeypatch.setattr(IncrementalDetokenizer, "find_stop", raising(ValueError("injected stop-string fault")))
         with pytest.raises(ValueError, match="injected stop-string fault"):
             within(30, llm.generate, [PROMPT, [4, 5]], SamplingParams(max_tokens=8, stop=["zz"]))
-        assert_idle_and_clean(llm)
-        assert within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"] == expected
+        assert_serves_on(llm, expected)
 
 
 def test_a_dead_loop_thread_fails_its_requests_and_names_why(tiny_model, monkeypatch):
     with LLM(tiny_model, kvcache_block_size=16) as llm:
-        handle = llm.submit(PROMPT, LONG)
-        within(30, next, iter(handle))
+        handle = running(llm)
 
-        def broken_take_inbox():
-            raise ValueError("a bug outside any step")
-
-        monkeypatch.setattr(llm, "_take_inbox", broken_take_inbox)
+        monkeypatch.setattr(llm, "_take_inbox", raising(ValueError("a bug outside any step")))
         with pytest.raises(RuntimeError, match="loop thread stopped .*a bug outside any step"):
             within(10, handle.result)
         for call in (lambda: llm.generate([PROMPT], GREEDY), lambda: llm.submit(PROMPT), llm.step):
