@@ -153,13 +153,8 @@ class LLMEngine:
                 if not handle.finished:  # (close() may have ended it on its way in)
                     self.scheduler.add(handle.seq)
             elif handle.request_id in self._loop.handles:
-                seq = handle.seq
-                self.scheduler.abort(seq)
-                seq.finish_reason = "abort"
-                try:
-                    handle._on_finish([])
-                except Exception as e:  # (detokenizing failed) it fails alone: the rest of the inbox is taken in
-                    handle._on_error(e)
+                self.scheduler.abort(handle.seq)
+                handle._end_aborted()  # (if that fails, it fails alone: the rest of the inbox is taken in)
                 self._loop.handles.pop(handle.request_id, None)  # (close() may have emptied the table)
         return not self.scheduler.is_finished() or self._in_flight is not None
 

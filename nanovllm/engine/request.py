@@ -194,6 +194,17 @@ class RequestHandle:
             last_token_ids = output["token_ids"]
         self._finish((last_token_ids, output), output)
 
+    def _end_aborted(self):
+        """Finish as aborted with the tokens it has (a token still on the device is not one of them); if that
+        fails (detokenizing), its waiters get the error instead."""
+        seq = self.seq
+        seq.finish_reason = seq.finish_reason or "abort"
+        seq.drop_pending()
+        try:
+            self._on_finish([])
+        except Exception as e:
+            self._on_error(e)
+
     def _make_output(self) -> dict:
         seq = self.seq
         token_ids = seq.completion_token_ids
@@ -311,12 +322,7 @@ class EngineLoop:
             if error is not None:
                 handle._on_error(error)
             else:
-                handle.seq.finish_reason = handle.seq.finish_reason or "abort"
-                handle.seq.drop_pending()  # a token still on the device is not part of the output
-                try:
-                    handle._on_finish([])
-                except Exception as e:  # (detokenizing failed) its waiters get the error, the others their outputs
-                    handle._on_error(e)
+                handle._end_aborted()
         self.handles.clear()
 
     def stop(self, timeout: float) -> bool:
