@@ -14,7 +14,6 @@ long prompts into more chunks, so decodes beside them wait less and first tokens
 """
 import argparse
 import asyncio
-import dataclasses
 import random
 import statistics
 import time
@@ -24,7 +23,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 
-DEFAULT_BUDGET = next(f.default for f in dataclasses.fields(Config) if f.name == "max_num_batched_tokens")
+DEFAULT_BUDGET = Config.default("max_num_batched_tokens")
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
 

@@ -100,6 +100,11 @@ class Config:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     @classmethod
+    def default(cls, name: str):
+        """A field's default (on a slotted dataclass the class attribute is a slot descriptor, not the default)."""
+        return next(f.default for f in fields(cls) if f.name == name)
+
+    @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
         """Build a Config from engine arguments; a name that is not a field is a TypeError, not ignored."""
         known = {f.name for f in fields(cls)} - {"model", "hf_config", "eos_token_ids"}

@@ -240,7 +240,7 @@ def _run(args, engine_args: dict, stdout_fd: int | None, given_llm) -> int:
     except (RuntimeError, ValueError, OSError) as e:
         print(f"run_batch: error: {e}", file=sys.stderr)
         return 2
-    max_num_seqs = engine_args.get("max_num_seqs", next(f.default for f in fields(Config) if f.name == "max_num_seqs"))
+    max_num_seqs = engine_args.get("max_num_seqs", Config.default("max_num_seqs"))
     max_in_flight = args.max_in_flight or 2 * max_num_seqs
     llm = given_llm
     try:
