@@ -4,6 +4,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from tests.conftest import assert_greedy_matches_hf
@@ -131,3 +132,28 @@ def test_sampling_is_seeded_and_in_vocab(tiny_model):
     assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
     assert [o["token_ids"] for o in a] != [o["token_ids"] for o in c]
     assert all(0 <= t < 512 for o in a for t in o["token_ids"])
+
+
+def test_a_prefill_runs_while_the_cache_is_sized(tiny_model, monkeypatch):
+    """On CUDA, sizing the KV cache runs a warmup prefill first (`warmup_model`), before the cache, the graphs and
+    the workers' channel exist. Here the CPU sizing runs it too, so a step that reads something set up later fails
+    on CPU as well (one such attribute once broke every GPU start)."""
+    from nanovllm.engine.model_runner import ModelRunner
+    sized = ModelRunner._num_kv_blocks
+    prefills = []
+
+    def sized_after_a_prefill(runner, block_bytes):
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+        runner.warmup_model()
+        prefills.append(runner.config.max_num_batched_tokens)
+        return sized(runner, block_bytes)
+
+    monkeypatch.setattr(ModelRunner, "_num_kv_blocks", sized_after_a_prefill)
+    llm = LLM(tiny_model, max_model_len=64, max_num_batched_tokens=128)
+    try:
+        assert prefills == [128]
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0]["token_ids"]) == 3
+    finally:
+        llm.exit()

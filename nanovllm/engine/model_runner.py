@@ -114,6 +114,7 @@ class ModelRunner:
             self.compile_small_ops()
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        self.channel: Channel | None = None  # none yet while each rank warms up on its own (CUDA's cache sizing)
         self.allocate_kv_cache()
         if config.device == "cuda":
             self.warmup_kernels()
@@ -330,7 +331,7 @@ class ModelRunner:
         sequence, without waiting for them. The workers get the step's inputs, a few arrays, not the sequences
         (pickling 256 `Sequence`s cost rank 0 about 0.3 ms a step on two H200s)."""
         inputs = step_inputs(seqs, self.block_size)
-        if self.channel is not None:  # (none yet while each rank warms up on its own)
+        if self.channel is not None:
             self.channel.post("run_step", inputs)
         return self.run_step(inputs, [seq for seq in seqs if seq.samples_this_step])
 
