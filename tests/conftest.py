@@ -181,3 +181,27 @@ def in_processes(target, *args, copies: int = 2) -> list:
         p.join(60)
         assert p.exitcode == 0
     return results
+
+
+_SM90_COMPILE = """
+import json, sys, importlib, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, kernel, signature, constexprs = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), kernel)
+signature = {**signature, **{name: "constexpr" for name in constexprs}}
+triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+"""
+
+
+def compile_for_sm90(module: str, kernel: str, signature: dict[str, str], constexprs: dict):
+    """Compile a Triton kernel for an H100/H200 (sm90) down to its cubin, with no GPU: Triton's interpreter, which
+    runs the kernels in the CPU tests, never type-checks them as the compiler does (a variable redefined with
+    another shape inside an `if` runs there and fails to compile on a GPU). Fails with the compiler's error."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps([module, kernel, signature, constexprs])],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{kernel} does not compile for sm90:\n" + "\n".join(done.stderr.splitlines()[-12:])

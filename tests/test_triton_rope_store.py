@@ -10,6 +10,7 @@ import torch
 from nanovllm.layers.attention import FP8_DTYPE, TorchBackend
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from tests.conftest import compile_for_sm90
 from tests.test_triton_attention import assert_stored_as
 
 triton_rope_store = pytest.importorskip("nanovllm.layers.triton_rope_store")
@@ -122,3 +123,17 @@ def test_the_switch_turns_nothing_on_where_the_store_is_not_triton(tiny_model, m
     with LLM(tiny_model) as llm:  # the torch backend on CPU: its store is not Triton's
         assert not llm.model_runner.backend.fuses_rope_store
         assert not any(layer.fuse_rope_store for layer in llm.model_runner.attn_layers)
+
+
+@pytest.mark.parametrize("qk_norm, fp8, num_heads, num_kv_heads", [(True, False, 16, 8), (False, True, 14, 2)])
+def test_compiles_for_sm90(qk_norm, fp8, num_heads, num_kv_heads):
+    """The CPU tests run the kernel through Triton's interpreter, which does not type-check it: one that ran there
+    failed to compile on the H200 (a mask redefined with the KV heads' shape inside the `if`)."""
+    cache = "fp8e4nv" if fp8 else "bf16"
+    signature = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "q_weight_ptr", "k_weight_ptr")}
+    signature.update(k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", positions_ptr="*i64",
+                     slot_mapping_ptr="*i64", cos_sin_ptr="*fp32", q_token_stride="i64", k_token_stride="i64",
+                     v_token_stride="i64", eps="fp32", k_scale="fp32", v_scale="fp32")
+    compile_for_sm90("nanovllm.layers.triton_rope_store", "_rope_store_kernel", signature, dict(
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=128, HEADS_BLOCK=16,
+        KV_HEADS_BLOCK=num_kv_heads, HALF_BLOCK=64, QK_NORM=qk_norm, QUANTIZE=fp8))

@@ -71,12 +71,12 @@ if triton is not None:
 
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
-            k1, k2, mask = _normed_rope(k_ptr, k_token_stride, k_weight_ptr, cos, sin, token, eps, NUM_KV_HEADS,
-                                        HEAD_DIM, KV_HEADS_BLOCK, HALF_BLOCK, QK_NORM)
+            k1, k2, kv_mask = _normed_rope(k_ptr, k_token_stride, k_weight_ptr, cos, sin, token, eps,
+                                           NUM_KV_HEADS, HEAD_DIM, KV_HEADS_BLOCK, HALF_BLOCK, QK_NORM)
             kv_heads = tl.arange(0, KV_HEADS_BLOCK)[:, None]
             v_src = v_ptr + token * v_token_stride + kv_heads * HEAD_DIM + cols
-            v1 = tl.load(v_src, mask=mask, other=0.0)
-            v2 = tl.load(v_src + half, mask=mask, other=0.0)
+            v1 = tl.load(v_src, mask=kv_mask, other=0.0)
+            v2 = tl.load(v_src + half, mask=kv_mask, other=0.0)
             # the key is rounded to the model's dtype first, as the unfused rope returns it
             k1 = k1.to(v1.dtype)
             k2 = k2.to(v1.dtype)
@@ -85,11 +85,11 @@ if triton is not None:
                 k2 = tl.minimum(tl.maximum(tl.math.div_rn(k2.to(tl.float32), k_scale), -_FP8_MAX), _FP8_MAX)
                 v1 = tl.minimum(tl.maximum(tl.math.div_rn(v1.to(tl.float32), v_scale), -_FP8_MAX), _FP8_MAX)
                 v2 = tl.minimum(tl.maximum(tl.math.div_rn(v2.to(tl.float32), v_scale), -_FP8_MAX), _FP8_MAX)
-            dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_heads * HEAD_DIM + cols
-            tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_cache_ptr + dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_cache_ptr + dst + half, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            kv_dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_heads * HEAD_DIM + cols
+            tl.store(k_cache_ptr + kv_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(k_cache_ptr + kv_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_cache_ptr + kv_dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_cache_ptr + kv_dst + half, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
