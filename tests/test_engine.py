@@ -157,3 +157,21 @@ def test_a_prefill_runs_while_the_cache_is_sized(tiny_model, monkeypatch):
         assert len(out[0]["token_ids"]) == 3
     finally:
         llm.exit()
+
+
+def test_kernel_warmup_runs_each_kind_of_step(tiny_model, hf_model, monkeypatch):
+    """On CUDA the engine runs these steps at start, so that kernels compiled on first use (one flash-attn-4
+    variant per kind) compile then, not while serving: a long and a 2-token chunk each beside a decode, the widest
+    step, a prefill alone and a decode alone. Here they run on CPU, and the engine serves exactly after them."""
+    with LLM(tiny_model, max_num_seqs=8, kvcache_block_size=16) as llm:
+        runner, shapes = llm.model_runner, []
+        run_step = runner.run_step
+        monkeypatch.setattr(runner, "run_step", lambda inputs, sampling=(): shapes.append(
+            (inputs.num_seqs, int(inputs.query_lens.max()))) or run_step(inputs, sampling))
+        runner.warmup_kernels()
+        prompts = [list(range(3, 40)), list(range(50, 70))]
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                               use_tqdm=False)
+    assert shapes[:5] == [(2, 16), (2, 2), (8, 2), (1, 16), (1, 1)]
+    for prompt, out in zip(prompts, outputs):
+        assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])

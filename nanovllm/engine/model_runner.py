@@ -277,15 +277,23 @@ class ModelRunner:
         torch.cuda.empty_cache()
 
     def warmup_kernels(self):
-        """Run a mixed step (a decode beside a prefill after a cached prefix) and a prefix prefill once, so
-        kernels that compile on first use (flash-attn-4, torch.compile) do it here rather than mid-serving."""
+        """Run each kind of step the scheduler makes, at the shapes that pick a kernel variant, so that kernels
+        which compile on first use (flash-attn-4 compiles one per variant; torch.compile) do it here rather than
+        mid-serving: a decode beside a long prefill chunk after a cached prefix, a decode beside a 2-token chunk
+        (flash-attn-4 runs steps whose longest chunk fits one tile of query rows with a kernel of its own), the
+        widest step, of max_num_seqs sequences (over 256, flash-attn-4 adds a lookup to its scheduler), a prefix
+        prefill alone, and a decode-only step."""
         context_len = min(2 * self.block_size, self.config.num_kvcache_blocks * self.block_size)
-        decode, prefill = Sequence([0] * context_len), Sequence([0] * context_len)
-        for seq, num_computed in ((decode, context_len - 1), (prefill, context_len // 2)):
-            seq.block_table = list(range(-(-context_len // self.block_size)))  # the cache holds nothing yet
-            seq.num_computed_tokens = num_computed
-            seq.num_scheduled_tokens = context_len - num_computed
+
+        def seq(num_computed: int, length: int = context_len) -> Sequence:
+            seq = Sequence([0] * length)
+            seq.block_table = list(range(-(-length // self.block_size)))  # the cache holds nothing yet
+            seq.num_computed_tokens, seq.num_scheduled_tokens = num_computed, length - num_computed
+            return seq
+        decode, prefill = seq(context_len - 1), seq(context_len // 2)
         self.run([decode, prefill])
+        self.run([decode, seq(context_len - 2)])
+        self.run([seq(1, 2) for _ in range(self.config.max_num_seqs - 1)] + [seq(0, 2)])
         self.run([prefill])
         self.run([decode])  # a decode-only step: backends may have a kernel of its own
 
