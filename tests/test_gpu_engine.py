@@ -80,6 +80,8 @@ def test_engine_matches_hf_bf16(qwen3_small, block_size):
     shared = prompts(1, seed=3, lo=300, hi=300)[0]
     batch += [shared + [5, 6, 7], shared + [8] * 40]  # prefix-cache hits on the second call, at any block size
     with LLM(qwen3_small, kvcache_block_size=block_size, max_model_len=2048) as llm:
+        runner = llm.model_runner  # the defaults: piecewise graphs and the fused rope+store
+        assert runner.piecewise is not None and all(layer.fuse_rope_store for layer in runner.attn_layers)
         llm.generate(batch, greedy(4), use_tqdm=False)
         outputs = llm.generate(batch, greedy(24), use_tqdm=False)
     assert outputs[-1]["num_cached_tokens"] > 0
