@@ -184,24 +184,42 @@ def in_processes(target, *args, copies: int = 2) -> list:
 
 
 _SM90_COMPILE = """
-import json, sys, importlib, triton
+import importlib, pickle, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, kernel, signature, constexprs = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module(module), kernel)
-signature = {**signature, **{name: "constexpr" for name in constexprs}}
-triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+failed = False
+for module, kernel, signature, constexprs, *options in pickle.load(sys.stdin.buffer):
+    try:
+        fn = getattr(importlib.import_module(module), kernel)
+        if unmatched := set(fn.arg_names).symmetric_difference([*signature, *constexprs]):
+            raise TypeError(f"arguments of the kernel or the case, not of both: {sorted(unmatched)}")
+        source = ASTSource(fn, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs)
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(*options))
+    except Exception as e:
+        failed = True
+        print(f"{kernel} {constexprs} does not compile for sm90:", *str(e).splitlines()[-8:], "", sep="\\n",
+              file=sys.stderr)
+sys.exit(failed)
 """
 
 
-def compile_for_sm90(module: str, kernel: str, signature: dict[str, str], constexprs: dict):
-    """Compile a Triton kernel for an H100/H200 (sm90) down to its cubin, with no GPU: Triton's interpreter, which
-    runs the kernels in the CPU tests, never type-checks them as the compiler does (a variable redefined with
-    another shape inside an `if` runs there and fails to compile on a GPU). Fails with the compiler's error."""
-    import json
+def compile_for_sm90(cases: list[tuple]):
+    """Compile Triton kernels for an H100/H200 (sm90) down to their cubins, with no GPU, all in one subprocess
+    (its start, mostly importing torch and Triton, costs more than a compile): Triton's interpreter, which runs
+    the kernels in the CPU tests, never type-checks them as the compiler does (a variable redefined with another
+    shape inside an `if` runs there and fails to compile on a GPU).
+
+    A case is (module, kernel, signature, constexprs), optionally followed by the launch options its wrapper
+    passes (num_warps, num_stages). The signature types each runtime argument as Triton specializes it at a
+    launch: "*bf16" for a bf16 tensor, "i32" for a Python int in int32's range ("i64" beyond), "fp32" for a
+    float; an int argument equal to 1 is specialized to a constexpr, so it goes in constexprs (whose values may be
+    Triton dtypes: the cases go to the subprocess pickled). Fails with the compiler's error of every case that
+    does not compile."""
+    import pickle
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps([module, kernel, signature, constexprs])],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{kernel} does not compile for sm90:\n" + "\n".join(done.stderr.splitlines()[-12:])
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE], input=pickle.dumps(cases), env=env,
+                          cwd=ROOT, capture_output=True, timeout=300)
+    if done.returncode:
+        pytest.fail(done.stderr.decode(errors="replace"), pytrace=False)

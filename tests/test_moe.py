@@ -15,7 +15,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.moe import SparseMoeBlock, experts_torch, route
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import assert_greedy_matches_hf
+from tests.conftest import assert_greedy_matches_hf, compile_for_sm90
 from tests.test_models import PROMPTS, check_against_hf, hf_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,6 +183,29 @@ def test_fused_kernels_interpreted():
     result = subprocess.run([sys.executable, "-c", "from tests.test_moe import interpreted_kernel_checks as c; c()"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "checks passed" in result.stdout, result.stdout + result.stderr
+
+
+def test_fused_kernels_compile_for_sm90():
+    """The interpreted checks do not type-check the kernels as the compiler does (tests/test_triton_rope_store.py
+    had a kernel that passed them and failed to compile on the H200). Qwen3-30B-A3B's experts in bf16 (128 of
+    them, top 8, hidden 2048, intermediate 768): the alignment; the gate and up GEMM in a decode step's tiles and
+    the down GEMM in a prefill's."""
+    pytest.importorskip("triton")
+    from nanovllm.layers import triton_moe
+    experts, top_k = 128, 8
+    decode, prefill = triton_moe.block_config(top_k, experts), triton_moe.block_config(8192 * top_k, experts)
+    ints = dict(sorted_pairs_ptr="*i32", block_experts_ptr="*i32", num_pairs="i32")
+    cases = [("nanovllm.layers.triton_moe", "_align_kernel", dict(ints, expert_ids_ptr="*i64", num_blocks="i32"),
+              dict(NUM_EXPERTS=experts, EXPERTS_POW2=experts, BLOCK_M=decode["BLOCK_M"], CHUNK=8192 // experts))]
+    gemm = dict(ints, a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", route_weights_ptr="*bf16", N="i32", K="i32",
+                stride_a="i32", stride_we="i32", stride_wn="i32", stride_out="i32")  # an expert's weights < 2**31
+    for config, gated in ((decode, True), (prefill, False)):
+        tiles = {name: config[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+        cases.append(("nanovllm.layers.triton_moe", "_grouped_gemm_kernel", gemm, dict(
+            tiles, PAIRS_PER_A_ROW=top_k if gated else 1, GATED=gated, ROUTE_WEIGHTED=not gated,
+            NUM_EXPERTS=experts, DOT_PRECISION="tf32"), dict(num_warps=config["num_warps"],
+                                                            num_stages=config["num_stages"])))
+    compile_for_sm90(cases)
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ import torch
 
 from nanovllm.layers import triton_sampler
 from nanovllm.layers.sampler import Sampler
+from tests.conftest import compile_for_sm90
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KERNEL_DRAWS = 20000 if DEVICE.type == "cuda" else 500  # the interpreter runs ~100 programs a second
@@ -135,3 +136,13 @@ def test_sampler_uses_the_kernel_when_given_a_device_counter(small_tiles):
     expected = triton_sampler.sample_plain(logits, temperatures, triton_sampler.make_rng_state(3, DEVICE))
     sampler = Sampler(triton_sampler.make_rng_state(3, DEVICE))
     assert torch.equal(sampler(logits, temperatures), expected)
+
+
+@needs_triton
+def test_kernel_compiles_for_sm90():
+    """The interpreter runs the kernel without type-checking it as the compiler does (tests/test_triton_rope_store.py
+    had a kernel that passed it and failed to compile on the H200). As the engine launches it: bf16 logits of
+    Qwen3's vocabulary (151936, the row stride: an int32), float32 temperatures, the int64 counter and tokens."""
+    compile_for_sm90([("nanovllm.layers.triton_sampler", "_sample_plain_kernel", dict(
+        logits_ptr="*bf16", row_stride="i32", temperatures_ptr="*fp32", rng_state_ptr="*i64", out_ptr="*i64",
+        vocab_size="i32"), dict(BLOCK=triton_sampler.BLOCK), dict(num_warps=8))])

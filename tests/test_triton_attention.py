@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from nanovllm.layers.attention import FP8_DTYPE, TorchBackend, quantize_kv
+from tests.conftest import compile_for_sm90
 from tests.test_gpu_attention import CASES, make_meta, random_block_tables
 
 triton_attention = pytest.importorskip("nanovllm.layers.triton_attention")
@@ -227,3 +228,49 @@ def test_engine_on_triton_kernels_matches_hf(tiny_model, hf_model, monkeypatch):
     assert outputs[-1]["num_cached_tokens"] == 32
     for prompt, out in zip(prompts, outputs):
         assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
+
+
+def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = False) -> tuple:
+    """`_attention_kernel` as `decode_attention` or `varlen_attention` launches it for Qwen3-0.6B in bf16 (16 query
+    heads over 8 KV heads, head_dim 128, blocks of 256): a compile case for `compile_for_sm90`."""
+    tl = triton_attention.tl
+    signature = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", out_ptr="*fp32" if split else "*bf16",
+                     lse_ptr="*fp32" if split else "*bf16",  # unsplit, the output stands in for the unused lse
+                     block_tables_ptr="*i32", context_lens_ptr="*i32", cu_seqlens_q_ptr="*i32", q_token_stride="i32",
+                     q_head_stride="i32", kv_token_stride="i32", kv_head_stride="i32", block_table_stride="i32",
+                     qk_scale="fp32", v_scale="fp32", min_split_tokens="i32")
+    constexprs = dict(NUM_KV_HEADS=8, GROUP=2, GROUP_PAD=2, HEAD_DIM=128, DIM_PAD=128, DECODE=decode, PAGED=paged,
+                      SPLIT=split, COMPUTE_DTYPE=tl.float16 if cache == "fp8e4nv" else tl.bfloat16,
+                      DOT_PRECISION="tf32")
+    if split:
+        signature["num_splits"] = "i32"
+    else:
+        constexprs["num_splits"] = 1  # Triton makes an int argument of 1 a constexpr
+    if decode:
+        tile, warps, stages = triton_attention.decode_tile(128, 1 if cache == "fp8e4nv" else 2)
+        constexprs.update(QUERY_TILE=1, ROWS=16, KV_TILE=tile, BLOCK_SIZE=256)
+    else:  # 64 rows of 32 tokens x 2 heads; a warm-up run (not paged) reads its own keys with a block size of 16
+        warps, stages = 4, 2
+        constexprs.update(QUERY_TILE=32, ROWS=64, KV_TILE=64, BLOCK_SIZE=256 if paged else 16)
+    return ("nanovllm.layers.triton_attention", "_attention_kernel", signature, constexprs,
+            dict(num_warps=warps, num_stages=stages))
+
+
+def test_kernels_compile_for_sm90():
+    """The CPU tests run the kernels through Triton's interpreter, which does not type-check them as the compiler
+    does (tests/test_triton_rope_store.py had a kernel that passed them and failed to compile on the H200).
+    Attention: decode split over a bf16 cache and unsplit over an FP8 one, prefill over an FP8 cache and a
+    warm-up's over its own keys, and the merge of a batch of one's 64 splits; the KV store into both caches."""
+    cases = [attention_case("bf16", decode=True, split=True), attention_case("fp8e4nv", decode=True),
+             attention_case("fp8e4nv", decode=False), attention_case("bf16", decode=False, paged=False)]
+    splits = triton_attention.decode_splits(1, 8, 132)
+    cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel",
+                  dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32"),
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=triton_attention.triton.next_power_of_2(splits))))
+    for cache in ("bf16", "fp8e4nv"):  # k and v are slices of the qkv projection's [tokens, (16 + 2 * 8) * 128]
+        cases.append(("nanovllm.layers.triton_kvstore", "_store_kvcache_kernel", dict(
+            k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", slot_mapping_ptr="*i64",
+            k_token_stride="i32", k_head_stride="i32", v_token_stride="i32", v_head_stride="i32", k_scale="fp32",
+            v_scale="fp32"), dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_BLOCK=8, DIM_BLOCK=128,
+                                  QUANTIZE=cache == "fp8e4nv")))
+    compile_for_sm90(cases)
