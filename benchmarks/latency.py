@@ -51,7 +51,8 @@ def compiled_kernels() -> int:
     count = 0
     try:
         from flash_attn.cute import interface
-        count += len(interface._flash_attn_fwd.compile_cache)
+        cache = interface._flash_attn_fwd.compile_cache
+        count += len(getattr(cache, "cache", cache))  # 4.0.0b36's JITCache has no len(): its dict is .cache
     except Exception:  # flash-attn-4 is not installed, or keeps its cache elsewhere
         pass
     from torch._dynamo.utils import counters
