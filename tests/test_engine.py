@@ -150,13 +150,10 @@ def test_a_prefill_runs_while_the_cache_is_sized(tiny_model, monkeypatch):
         return sized(runner, block_bytes)
 
     monkeypatch.setattr(ModelRunner, "_num_kv_blocks", sized_after_a_prefill)
-    llm = LLM(tiny_model, max_model_len=64, max_num_batched_tokens=128)
-    try:
+    with LLM(tiny_model, max_model_len=64, max_num_batched_tokens=128) as llm:
         assert prefills == [128]
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
         assert len(out[0]["token_ids"]) == 3
-    finally:
-        llm.exit()
 
 
 def test_kernel_warmup_runs_each_kind_of_step(tiny_model, hf_model, monkeypatch):
