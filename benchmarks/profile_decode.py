@@ -1,6 +1,11 @@
-"""Where a decode step's time goes on CUDA: wall time per step, and the top kernels from torch.profiler.
+"""Where a decode step's time goes on CUDA: wall time per step, the top kernels from torch.profiler, and how long
+the GPU sits idle between steps (the host gap that overlap scheduling should hide).
 
-    python benchmarks/profile_decode.py [--model PATH] [--batch 256] [--context 1000] [--steps 20]
+    python benchmarks/profile_decode.py [--model PATH] [--batch 256] [--context 1000] [--steps 20] [--rows 15]
+
+Idle time: the profiler's kernel and memcpy records of the timed steps, sorted by start; every gap between the end
+of one and the start of the next counts. "gaps > 20 us" are the step boundaries (inside a CUDA graph replay
+kernels follow each other within a few microseconds); "idle" is all of it, per step.
 """
 import argparse
 import time
@@ -12,6 +17,25 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
+STEP_GAP_US = 20.0
+
+
+def device_idle(prof, steps: int) -> str:
+    """GPU idle time per step between the device records (kernels, copies, memsets) of the profiled steps."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if len(spans) < 2:
+        return "no device records"
+    gaps, end = [], spans[0][1]
+    for start, stop in spans[1:]:
+        gaps.append(max(0.0, start - end))
+        end = max(end, stop)
+    big = [g for g in gaps if g > STEP_GAP_US]
+    busy = sum(stop - start for start, stop in spans)
+    return (f"device records {len(spans) / steps:.0f}/step, busy {busy / steps / 1e3:.3f} ms/step (summed), idle "
+            f"{sum(gaps) / steps / 1e3:.3f} ms/step; gaps > {STEP_GAP_US:.0f} us: {len(big) / steps:.1f}/step, "
+            f"{sum(big) / steps / 1e3:.3f} ms/step, largest {max(gaps) / 1e3:.3f} ms")
+
 
 def main():
     parser = argparse.ArgumentParser()
@@ -20,6 +44,7 @@ def main():
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--rows", type=int, default=15, help="kernels listed")
     args = parser.parse_args()
 
     llm = LLM(args.model or str(default_checkpoint("qwen3-0.6b")), enforce_eager=args.enforce_eager)
@@ -33,28 +58,19 @@ def main():
         llm.step()
     torch.cuda.synchronize()
 
-    phases = {"schedule": 0.0, "run (incl. GPU wait)": 0.0, "postprocess": 0.0}
-    t_start = time.perf_counter()
+    start = time.perf_counter()
     for _ in range(args.steps):
-        t0 = time.perf_counter()
-        seqs = scheduler.schedule()
-        t1 = time.perf_counter()
-        tokens, _ = llm.model_runner.run(seqs).result()
-        t2 = time.perf_counter()
-        scheduler.postprocess(seqs, tokens)
-        t3 = time.perf_counter()
-        phases["schedule"] += t1 - t0
-        phases["run (incl. GPU wait)"] += t2 - t1
-        phases["postprocess"] += t3 - t2
-    per_step = (time.perf_counter() - t_start) / args.steps
-    print(f"batch {args.batch}, context ~{args.context}: {per_step * 1e3:.2f} ms/step, "
-          f"{args.batch / per_step:.0f} tok/s; " + ", ".join(f"{k} {v / args.steps * 1e3:.2f} ms" for k, v in phases.items()))
+        llm.step()
+    torch.cuda.synchronize()
+    per_step = (time.perf_counter() - start) / args.steps
+    print(f"batch {args.batch}, context ~{args.context}: {per_step * 1e3:.3f} ms/step, {args.batch / per_step:.0f} tok/s")
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             llm.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    print(device_idle(prof, args.steps))
 
 
 if __name__ == "__main__":
