@@ -139,10 +139,34 @@ def test_sampler_uses_the_kernel_when_given_a_device_counter(small_tiles):
 
 
 @needs_triton
+def test_parts_of_the_vocabulary_draw_what_one_program_draws(small_tiles):
+    """Cut into 2-5 parts (the last one short), a row draws the very token it draws in one piece: the same bits
+    for each token, and of equal scores the first part's (row 0 ties its first and last token, greedy)."""
+    vocab = 300 if DEVICE.type == "cpu" else 151936
+    logits = tied_logits(6, vocab, seed=12).to(DEVICE)
+    temperatures = torch.tensor([0.0, 0.7, 1.0, 0.0, 2.0, 0.3], device=DEVICE)
+    whole = triton_sampler.sample_plain(logits, temperatures, triton_sampler.make_rng_state(4, DEVICE), parts=1)
+    assert whole[0].item() == 3
+    for parts in (2, 3, 5):
+        cut = triton_sampler.sample_plain(logits, temperatures, triton_sampler.make_rng_state(4, DEVICE),
+                                          parts=parts)
+        assert torch.equal(cut, whole), parts
+    # a few rows are cut into parts by default, many are not
+    assert triton_sampler.sampler_parts(1, 132) == 64 and triton_sampler.sampler_parts(256, 132) == 1
+
+
+@needs_triton
 def test_kernel_compiles_for_sm90():
     """The interpreter runs the kernel without type-checking it as the compiler does (tests/test_triton_rope_store.py
     had a kernel that passed it and failed to compile on the H200). As the engine launches it: bf16 logits of
-    Qwen3's vocabulary (151936, the row stride: an int32), float32 temperatures, the int64 counter and tokens."""
-    compile_for_sm90([("nanovllm.layers.triton_sampler", "_sample_plain_kernel", dict(
-        logits_ptr="*bf16", row_stride="i32", temperatures_ptr="*fp32", rng_state_ptr="*i64", out_ptr="*i64",
-        vocab_size="i32"), dict(BLOCK=triton_sampler.BLOCK), dict(num_warps=8))])
+    Qwen3's vocabulary (151936, the row stride: an int32), float32 temperatures, the int64 counter and tokens,
+    whole and in parts, and the pick among parts."""
+    signature = dict(logits_ptr="*bf16", row_stride="i32", temperatures_ptr="*fp32", rng_state_ptr="*i64",
+                     out_ptr="*i64", score_ptr="*i64", vocab_size="i32", part_size="i32")
+    compile_for_sm90([
+        ("nanovllm.layers.triton_sampler", "_sample_plain_kernel", signature,
+         dict(BLOCK=triton_sampler.BLOCK, SPLIT=False), dict(num_warps=8)),
+        ("nanovllm.layers.triton_sampler", "_sample_plain_kernel", signature | dict(score_ptr="*fp32"),
+         dict(BLOCK=triton_sampler.BLOCK, SPLIT=True), dict(num_warps=8)),
+        ("nanovllm.layers.triton_sampler", "_pick_kernel", dict(score_ptr="*fp32", index_ptr="*i64", out_ptr="*i64",
+                                                                 parts="i32"), dict(PARTS_PAD=64), dict(num_warps=1))])

@@ -10,22 +10,28 @@ Contract, the same draws in law as `Sampler.forward`'s torch path:
   fresh, and `sample_plain` adds 1 to the step on the device after the kernel, so a CUDA graph that captured it
   needs no host value at replay.
 
-One program per row loops over the vocabulary in tiles; a launch is a fixed grid that a CUDA graph can capture.
+A program loops over its part of a row's vocabulary in tiles. A few rows would leave most of the GPU idle (one
+row of Qwen3's 151,936 logits took 114 us on an H200 as one program), so the vocabulary is cut into parts of whole
+groups of four tiles until the rows' programs fill the SMs twice, and a second kernel picks each row's winner
+among its parts' (the first of equal scores, so the draws are the same as one program's). The grid is fixed per
+row count: a CUDA graph can capture it.
 """
 import torch
 
-from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton
+from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, num_sms, tl, triton
 
 BLOCK = 1024  # tokens per tile; one Philox call serves four tiles
+PROGRAMS_PER_SM = 2  # parts per row: until rows x parts reach this many programs per SM
+MAX_PARTS = 64  # (one width for the pick kernel, so no row count compiles a variant of its own mid-serving)
 
 if triton is not None:
 
     @triton.jit
-    def _race_tile(row_ptr, tile_start, cols, vocab_size, temperature, bits, best_score, best_index,
+    def _race_tile(row_ptr, tile_start, cols, end, temperature, bits, best_score, best_index,
                    NOISE: tl.constexpr):
         """Fold one tile of the row into the running (score, index) of its winner."""
         tile = tile_start + cols
-        x = tl.load(row_ptr + tile, mask=tile < vocab_size, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_ptr + tile, mask=tile < end, other=float("-inf")).to(tl.float32)
         if NOISE:
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # uniform in (0, 1), never 0 or 1
             x = x / temperature - tl.log(-tl.log(u))
@@ -34,42 +40,65 @@ if triton is not None:
         return tl.where(better, score, best_score), tl.where(better, tile_start + index, best_index)
 
     @triton.jit
-    def _best_of_vocab(row_ptr, vocab_size, temperature, seed, row, step, BLOCK: tl.constexpr,
-                       NOISE: tl.constexpr):
-        """The index of the row's winner, scanning the vocabulary in groups of four tiles."""
+    def _best_of_part(row_ptr, begin, end, temperature, seed, row, step, BLOCK: tl.constexpr,
+                      NOISE: tl.constexpr):
+        """The (score, index) of the winner of tokens begin..end of the row, scanned in groups of four tiles
+        (`begin` starts a group: a token's random bits do not depend on the parts)."""
         cols = tl.arange(0, BLOCK)
         zero = cols * 0
         best_score = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
-        best_index = tl.sum(zero, 0)
-        for start in range(0, vocab_size, 4 * BLOCK):
+        best_index = tl.sum(zero, 0) + begin
+        for start in range(begin, end, 4 * BLOCK):
             if NOISE:  # one Philox call: four words of random bits, one for each tile of the group
                 b0, b1, b2, b3 = tl.philox(seed, start // 4 + cols, zero + row, (zero + step).to(tl.uint32),
                                            (zero + (step >> 32)).to(tl.uint32))
             else:  # greedy: no random bits
                 b0, b1, b2, b3 = zero, zero, zero, zero
-            best_score, best_index = _race_tile(row_ptr, start, cols, vocab_size, temperature, b0,
+            best_score, best_index = _race_tile(row_ptr, start, cols, end, temperature, b0,
                                                 best_score, best_index, NOISE)
-            best_score, best_index = _race_tile(row_ptr, start + BLOCK, cols, vocab_size, temperature, b1,
+            best_score, best_index = _race_tile(row_ptr, start + BLOCK, cols, end, temperature, b1,
                                                 best_score, best_index, NOISE)
-            best_score, best_index = _race_tile(row_ptr, start + 2 * BLOCK, cols, vocab_size, temperature, b2,
+            best_score, best_index = _race_tile(row_ptr, start + 2 * BLOCK, cols, end, temperature, b2,
                                                 best_score, best_index, NOISE)
-            best_score, best_index = _race_tile(row_ptr, start + 3 * BLOCK, cols, vocab_size, temperature, b3,
+            best_score, best_index = _race_tile(row_ptr, start + 3 * BLOCK, cols, end, temperature, b3,
                                                 best_score, best_index, NOISE)
-        return best_index
+        return best_score, best_index
 
     @triton.jit
-    def _sample_plain_kernel(logits_ptr, row_stride, temperatures_ptr, rng_state_ptr, out_ptr, vocab_size,
-                             BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def _sample_plain_kernel(logits_ptr, row_stride, temperatures_ptr, rng_state_ptr, out_ptr, score_ptr,
+                             vocab_size, part_size, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+        """Program (row, part): the winner of the part's tokens, into out (SPLIT: with its score, one slot per
+        part, for `_pick_kernel`)."""
+        row, part = tl.program_id(0), tl.program_id(1)
         row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+        begin = part * part_size
+        end = tl.minimum(vocab_size, begin + part_size)
         temperature = tl.load(temperatures_ptr + row)
         seed = tl.load(rng_state_ptr)
         step = tl.load(rng_state_ptr + 1)
         if temperature > 0:
-            index = _best_of_vocab(row_ptr, vocab_size, temperature, seed, row, step, BLOCK, True)
+            score, index = _best_of_part(row_ptr, begin, end, temperature, seed, row, step, BLOCK, True)
         else:
-            index = _best_of_vocab(row_ptr, vocab_size, temperature, seed, row, step, BLOCK, False)
-        tl.store(out_ptr + row, index.to(tl.int64))
+            score, index = _best_of_part(row_ptr, begin, end, temperature, seed, row, step, BLOCK, False)
+        slot = row * tl.num_programs(1) + part
+        tl.store(out_ptr + slot, index.to(tl.int64))
+        if SPLIT:
+            tl.store(score_ptr + slot, score)
+
+    @triton.jit(do_not_specialize=["parts"])
+    def _pick_kernel(score_ptr, index_ptr, out_ptr, parts, PARTS_PAD: tl.constexpr):
+        """A row's winner among its parts' winners: the best score, the first part of equal ones."""
+        row = tl.program_id(0)
+        offsets = row * parts + tl.arange(0, PARTS_PAD)
+        valid = tl.arange(0, PARTS_PAD) < parts
+        scores = tl.load(score_ptr + offsets, mask=valid, other=float("-inf"))
+        _, best = tl.max(scores, 0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(out_ptr + row, tl.load(index_ptr + row * parts + best))
+
+
+def sampler_parts(rows: int, sms: int) -> int:
+    """Parts to cut each row's vocabulary into (at most one per group of four tiles; see the module docstring)."""
+    return max(1, min(MAX_PARTS, PROGRAMS_PER_SM * sms // max(rows, 1)))
 
 
 def make_rng_state(seed: int, device: torch.device) -> torch.Tensor:
@@ -78,8 +107,9 @@ def make_rng_state(seed: int, device: torch.device) -> torch.Tensor:
 
 
 def sample_plain(logits: torch.Tensor, temperatures: torch.Tensor, rng_state: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 [rows]: one token per row (into `out` when given); advances `rng_state`'s step on its device."""
+                 out: torch.Tensor | None = None, parts: int | None = None) -> torch.Tensor:
+    """int64 [rows]: one token per row (into `out` when given); advances `rng_state`'s step on its device.
+    `parts` overrides `sampler_parts` (tests)."""
     if triton is None:
         raise RuntimeError(f"the Triton sampler needs a working Triton: {_TRITON_ERROR!r}")
     rows, vocab_size = logits.shape
@@ -90,7 +120,18 @@ def sample_plain(logits: torch.Tensor, temperatures: torch.Tensor, rng_state: to
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     assert out.shape == (rows,) and out.dtype == torch.int64 and out.is_contiguous()
     if rows:
-        _sample_plain_kernel[(rows,)](logits, logits.stride(0), temperatures, rng_state, out, vocab_size,
-                                      BLOCK=BLOCK, num_warps=8)
+        groups = -(-vocab_size // (4 * BLOCK))
+        parts = min(groups, MAX_PARTS, parts or sampler_parts(rows, num_sms(logits.device)))
+        part_size = -(-groups // parts) * 4 * BLOCK
+        parts = -(-vocab_size // part_size)  # (fewer when the groups do not divide evenly)
+        if parts == 1:
+            _sample_plain_kernel[(rows, 1)](logits, logits.stride(0), temperatures, rng_state, out, out, vocab_size,
+                                            part_size, BLOCK=BLOCK, SPLIT=False, num_warps=8)
+        else:
+            scores = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
+            indices = torch.empty(rows, parts, dtype=torch.int64, device=logits.device)
+            _sample_plain_kernel[(rows, parts)](logits, logits.stride(0), temperatures, rng_state, indices, scores,
+                                                vocab_size, part_size, BLOCK=BLOCK, SPLIT=True, num_warps=8)
+            _pick_kernel[(rows,)](scores, indices, out, parts, PARTS_PAD=MAX_PARTS, num_warps=1)
     rng_state[1:].add_(1)
     return out
