@@ -158,17 +158,22 @@ def test_a_prefill_runs_while_the_cache_is_sized(tiny_model, monkeypatch):
 
 def test_kernel_warmup_runs_each_kind_of_step(tiny_model, hf_model, monkeypatch):
     """On CUDA the engine runs these steps at start, so that kernels compiled on first use (one flash-attn-4
-    variant per kind) compile then, not while serving: a long and a 2-token chunk each beside a decode, the widest
-    step, a prefill alone and a decode alone. Here they run on CPU, and the engine serves exactly after them."""
-    with LLM(tiny_model, max_num_seqs=8, kvcache_block_size=16) as llm:
+    variant per kind) compile then, not while serving, for small steps and for steps of half the token budget:
+    a chunk and a 2-token chunk each beside a decode, the widest steps (many decodes and a chunk; short chunks
+    only), a prefill alone; then a decode alone. Here they run on CPU, and the engine serves exactly after them."""
+    with LLM(tiny_model, max_num_seqs=8, kvcache_block_size=16, max_num_batched_tokens=256) as llm:
         runner, shapes = llm.model_runner, []
         run_step = runner.run_step
         monkeypatch.setattr(runner, "run_step", lambda inputs, sampling=(): shapes.append(
-            (inputs.num_seqs, int(inputs.query_lens.max()))) or run_step(inputs, sampling))
+            (inputs.num_seqs, inputs.num_leading_decodes, int(inputs.query_lens.max()), len(inputs.input_ids)))
+            or run_step(inputs, sampling))
         runner.warmup_kernels()
         prompts = [list(range(3, 40)), list(range(50, 70))]
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                use_tqdm=False)
-    assert shapes[:5] == [(2, 16), (2, 2), (8, 2), (1, 16), (1, 1)]
+    # (sequences, leading decodes, longest chunk, tokens) for contexts of 32 tokens, then of the budget's 256
+    assert shapes[:11] == [(2, 1, 16, 17), (2, 1, 2, 3), (8, 7, 16, 23), (8, 0, 2, 16), (1, 0, 16, 16),
+                           (2, 1, 128, 129), (2, 1, 2, 3), (8, 7, 128, 135), (8, 0, 16, 128), (1, 0, 128, 128),
+                           (1, 1, 1, 1)]
     for prompt, out in zip(prompts, outputs):
         assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])

@@ -82,12 +82,14 @@ def split_kv(qkv, num_heads, num_kv_heads, head_dim):
     return k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
 
 
-def run_both(backend, query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+def run_both(backend, query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0,
+             num_decodes=0):
     """Store this step's k/v and attend, with `backend` in bf16 and with TorchBackend in float32."""
     device, gen = torch.device("cuda"), torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(c / block_size) for c in context_lens) + 5  # some blocks no sequence uses
     block_tables = random_block_tables(context_lens, block_size, num_blocks, gen)
     meta = make_meta(query_lens, context_lens, block_tables, block_size, device)
+    meta.num_decodes = num_decodes
     num_tokens = sum(query_lens)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
@@ -136,6 +138,46 @@ def test_forward_gqa_and_head_dims(family, block_size, case, num_heads, num_kv_h
     backend = make_backend(family)
     query_lens, context_lens = CASES[case]
     assert_close(*run_both(backend, query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["prefill", "mixed"])
+@pytest.mark.parametrize("below", [-1, 0, 1])
+def test_triton_decode_sends_small_varlen_steps_to_triton(case, below, monkeypatch):
+    """With triton_decode, a prefill or mixed step of at most triton_varlen_tokens tokens runs the Triton varlen
+    kernel and a larger one flash-attn-4; both agree with torch."""
+    from nanovllm.layers import triton_attention
+    query_lens, context_lens = CASES[case]
+    tokens = sum(query_lens)
+    try:
+        backend = FlashAttnBackend("fa4", triton_decode=True, triton_varlen_tokens=tokens + below)
+    except ValueError as e:
+        pytest.skip(str(e))
+    calls, varlen = [], triton_attention.varlen_attention
+    monkeypatch.setattr(triton_attention, "varlen_attention",
+                        lambda *args, **kw: calls.append(args[0].size(0)) or varlen(*args, **kw))
+    assert_close(*run_both(backend, query_lens, context_lens, 16, 8, 128, 128))
+    assert calls == ([] if below < 0 else [tokens])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen_tokens", [276, 277])
+def test_triton_decode_splits_a_mixed_step_that_leads_with_decodes(varlen_tokens, monkeypatch):
+    """40 decodes then two prompts: with the prompts' 277 tokens within triton_varlen_tokens, the decodes go to the
+    decode kernel and the prompts to the Triton varlen kernel; beyond it, flash-attn-4 takes the whole step. The
+    output agrees with torch."""
+    from nanovllm.layers import triton_attention
+    try:
+        backend = FlashAttnBackend("fa4", triton_decode=True, triton_varlen_tokens=varlen_tokens)
+    except ValueError as e:
+        pytest.skip(str(e))
+    monkeypatch.setattr(triton_attention, "SPLIT_DECODES", 32)
+    rows, decode = [], triton_attention.decode_attention
+    monkeypatch.setattr(triton_attention, "decode_attention",
+                        lambda q, *args, **kw: rows.append(q.size(0)) or decode(q, *args, **kw))
+    query_lens, context_lens = [1] * 40 + [77, 200], [17 * i + 1 for i in range(40)] + [300, 200]
+    assert_close(*run_both(backend, query_lens, context_lens, 16, 8, 128, 128, num_decodes=40))
+    assert rows == ([40] if varlen_tokens == 277 else [])
 
 
 @pytest.mark.gpu

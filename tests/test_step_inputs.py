@@ -85,7 +85,11 @@ def test_step_inputs_of_a_mixed_batch():
                     pending_rows=[-1, 1, -1])
     assert {name: getattr(inputs, name).tolist() for name in expected} == expected
     assert not inputs.is_decode and inputs.num_seqs == 3
+    assert inputs.num_leading_decodes == 0  # the chunk comes first
+    assert step_inputs([decode, last, decode], block_size=4).num_leading_decodes == 1
+    assert step_inputs([decode, decode, chunk], block_size=4).num_leading_decodes == 2
     assert step_inputs([decode], block_size=4).is_decode
+    assert step_inputs([decode, decode], block_size=4).num_leading_decodes == 2
 
 
 @pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=40, num_kvcache_blocks=14)],

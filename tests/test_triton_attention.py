@@ -141,6 +141,34 @@ def test_varlen_matches_reference(name, num_heads, num_kv_heads, head_dim, block
     assert_close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("kv_fp8", [False, True])
+@pytest.mark.parametrize("split_from", [3, 4, 5])
+def test_mixed_step_gives_its_leading_decodes_to_the_decode_kernel(split_from, kv_fp8, monkeypatch):
+    """A mixed step that leads with at least SPLIT_DECODES decodes attends them with the decode kernel and its
+    prompts with the varlen kernel, into one output; with fewer, the varlen kernel takes the whole step."""
+    query_lens, contexts = [1, 1, 1, 1, 13, 30, 1], [5, 40, 17, 64, 13, 70, 9]  # 4 leading decodes
+    q, k, v, caches, meta = make_case(query_lens, contexts, 4, 2, 64, 16, kv_fp8, seed=5)
+    meta = dataclasses.replace(meta, num_decodes=4)
+    expected = reference(q, k, v, caches, meta, kv_fp8)
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    monkeypatch.setattr(triton_attention, "SPLIT_DECODES", split_from)
+    calls = []
+    for name in ("decode_attention", "varlen_attention"):
+        kernel = getattr(triton_attention, name)
+        monkeypatch.setattr(triton_attention, name, lambda *a, _k=kernel, _n=name, **kw:
+                            calls.append((_n, a[0].size(0), a[-1 if _n == "decode_attention" else 5]))
+                            or _k(*a, **kw))
+    backend = object.__new__(triton_attention.TritonBackend)  # its __init__ insists on CUDA
+    scales = (K_SCALE, V_SCALE) if kv_fp8 else (1.0, 1.0)
+    out = backend.forward(q, k, v, *caches, meta, q.size(-1) ** -0.5, *scales)
+    assert_close(out, expected, torch.float32)
+    if split_from <= 4:
+        assert [(name, rows) for name, rows, _ in calls] == [("decode_attention", 4), ("varlen_attention", 48)]
+        assert calls[1][2].cu_seqlens_q.tolist() == [4, 17, 47, 48]  # the prompts' rows of q, and the last decode
+    else:
+        assert [(name, rows) for name, rows, _ in calls] == [("varlen_attention", 48)]
+
+
 @pytest.mark.parametrize("k_layout", ["slice", "contiguous"])
 def test_varlen_without_cache_reads_this_steps_keys(k_layout):
     """The warm-up before the cache exists: each sequence attends over its own k and v. v is a strided slice of
@@ -204,9 +232,11 @@ def test_decode_splits_fill_the_gpu():
         assert sms <= batch * 8 * splits <= 4 * sms and splits <= triton_attention.MAX_SPLITS
 
 
-def test_engine_on_triton_kernels_matches_hf(tiny_model, hf_model, monkeypatch):
+@pytest.mark.parametrize("split_decodes", [0, 1])
+def test_engine_on_triton_kernels_matches_hf(tiny_model, hf_model, monkeypatch, split_decodes):
     """The whole engine on the Triton backend: chunked prefill, mixed and decode steps, prefix hits, a shrinking
-    batch whose decode splits (CPU only: the interpreter stands in for a GPU; CUDA runs the GPU engine tests)."""
+    batch whose decode splits (CPU only: the interpreter stands in for a GPU; CUDA runs the GPU engine tests);
+    with split_decodes=1 every mixed step gives its decodes to the decode kernel."""
     if DEVICE.type == "cuda":
         pytest.skip("on CUDA the engine picks its backend itself (tests/test_kv_cache_dtype.py)")
     from nanovllm import LLM, SamplingParams
@@ -219,6 +249,14 @@ def test_engine_on_triton_kernels_matches_hf(tiny_model, hf_model, monkeypatch):
         layer.backend = backend
     # 4 "SMs": a batch of 1-3 sequences x 2 KV heads splits its keys in 8, 4 or 2
     monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(triton_attention, "SPLIT_DECODES", split_decodes)
+    splits, split = [], triton_attention.split_decodes
+
+    def counted_split(*args):
+        out, meta = split(*args)
+        splits.append(out is not None)
+        return out, meta
+    monkeypatch.setattr(triton_attention, "split_decodes", counted_split)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 20, 40, 17)]
     prompts.append(prompts[2][:32] + [9])  # a prefix hit on two full blocks once prompts[2] is cached
@@ -228,6 +266,7 @@ def test_engine_on_triton_kernels_matches_hf(tiny_model, hf_model, monkeypatch):
     assert outputs[-1]["num_cached_tokens"] == 32
     for prompt, out in zip(prompts, outputs):
         assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
+    assert splits and any(splits) == (split_decodes == 1)  # mixed steps with decodes ran, split or not
 
 
 def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = False) -> tuple:

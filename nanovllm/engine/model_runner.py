@@ -280,23 +280,30 @@ class ModelRunner:
     def warmup_kernels(self):
         """Run each kind of step the scheduler makes, at the shapes that pick a kernel variant, so that kernels
         which compile on first use (flash-attn-4 compiles one per variant; torch.compile) do it here rather than
-        mid-serving: a decode beside a long prefill chunk after a cached prefix, a decode beside a 2-token chunk
-        (flash-attn-4 runs steps whose longest chunk fits one tile of query rows with a kernel of its own), the
-        widest step, of max_num_seqs sequences (over 256, flash-attn-4 adds a lookup to its scheduler), a prefix
-        prefill alone, and a decode-only step."""
-        context_len = min(2 * self.block_size, self.config.num_kvcache_blocks * self.block_size)
+        mid-serving. Twice: small steps (which the Triton varlen kernel takes where flash-attn-4 would cost more
+        host time than device time) and steps of half the token budget (flash-attn-4's). Each time: a decode
+        beside a prefill chunk after a cached prefix; a decode beside a 2-token chunk (flash-attn-4 runs steps
+        whose longest chunk fits one tile of query rows with a kernel of its own); the widest steps, of
+        max_num_seqs sequences (over 256, flash-attn-4 adds a lookup to its scheduler), with many decodes and
+        one chunk (a mixed step that splits off its decodes) and with short chunks only; a prefix prefill alone;
+        then a decode-only step."""
+        capacity = self.config.num_kvcache_blocks * self.block_size
+        num_seqs = self.config.max_num_seqs
 
-        def seq(num_computed: int, length: int = context_len) -> Sequence:
+        def seq(num_computed: int, length: int) -> Sequence:
             seq = Sequence([0] * length)
             seq.block_table = list(range(-(-length // self.block_size)))  # the cache holds nothing yet
             seq.num_computed_tokens, seq.num_scheduled_tokens = num_computed, length - num_computed
             return seq
-        decode, prefill = seq(context_len - 1), seq(context_len // 2)
-        self.run([decode, prefill])
-        self.run([decode, seq(context_len - 2)])
-        self.run([seq(1, 2) for _ in range(self.config.max_num_seqs - 1)] + [seq(0, 2)])
-        self.run([prefill])
-        self.run([decode])  # a decode-only step: backends may have a kernel of its own
+        for length in sorted({min(2 * self.block_size, capacity),
+                              min(self.config.max_num_batched_tokens, capacity)}):
+            chunk = max(2, length // 2 // num_seqs)
+            self.run([seq(length - 1, length), seq(length // 2, length)])
+            self.run([seq(length - 1, length), seq(length - 2, length)])
+            self.run([seq(length - 1, length) for _ in range(num_seqs - 1)] + [seq(length // 2, length)])
+            self.run([seq(length - chunk, length) for _ in range(num_seqs)])
+            self.run([seq(length // 2, length)])
+        self.run([seq(length - 1, length)])  # a decode-only step: backends may have a kernel of its own
 
     # ---- a step -------------------------------------------------------------------------------------
     def prepare(self, inputs: StepInputs, temperatures: np.ndarray | None):
@@ -312,7 +319,7 @@ class ModelRunner:
             slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
             cu_seqlens_q=cu_seqlens_q, max_seqlen_q=int(inputs.query_lens.max()),
             max_seqlen_k=int(inputs.context_lens.max()), query_lens_host=inputs.query_lens.tolist(),
-            context_lens_host=inputs.context_lens.tolist())
+            context_lens_host=inputs.context_lens.tolist(), num_decodes=inputs.num_leading_decodes)
         if pending.any():  # a pending token is its sequence's one scheduled token
             input_ids[pending_tokens] = self.sampled[pending_rows]
         return input_ids, positions, meta, logits_indices, plain[0] if plain else None

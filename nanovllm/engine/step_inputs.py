@@ -29,6 +29,12 @@ class StepInputs:
         """Every sequence computes one token (a CUDA graph can run the step)."""
         return len(self.input_ids) == self.num_seqs
 
+    @property
+    def num_leading_decodes(self) -> int:
+        """How many sequences from the first compute one token each (the scheduler puts decodes first)."""
+        longer = np.flatnonzero(self.query_lens != 1)
+        return int(longer[0]) if len(longer) else self.num_seqs
+
 
 def step_inputs(seqs: list[Sequence], block_size: int) -> StepInputs:
     """Inputs of a varlen batch: each sequence computes its scheduled tokens."""

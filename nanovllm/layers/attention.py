@@ -31,6 +31,7 @@ class AttentionMetadata:
     max_seqlen_k: int
     query_lens_host: list[int] | None = None  # host copies for backends that loop over sequences
     context_lens_host: list[int] | None = None
+    num_decodes: int = 0  # leading sequences of one query token (the scheduler puts decodes first)
 
 
 class AttentionBackend(ABC):

@@ -12,14 +12,18 @@ Two kernel families, picked once when the backend is built:
   batches of single-token queries). Its paged KV needs a block size that is a multiple of 256.
 
 With `triton_decode=True` (attention_backend="triton-decode"), decode-only steps go to the Triton split-KV
-kernel (`nanovllm.layers.triton_attention`) instead, on the GPUs where it measured faster; flash-attn keeps
-prefill and mixed steps. Neither family reads an FP8 cache.
+kernel (`nanovllm.layers.triton_attention`) instead, on the GPUs where it measured faster, and so do prefill and
+mixed steps of at most `triton_varlen_tokens` tokens besides their leading decodes (the Triton varlen kernel, with
+`split_decodes`): flash-attn-4 spends far more host time per call than its kernel takes on a small step, and a
+piecewise-graph step calls attention once per layer (benchmarks/mixed_attention.py). Larger steps keep
+flash-attn. Neither family reads an FP8 cache.
 
 The kernels only read the block-table entries of blocks below `ceil(context_len / block_size)`, so the -1
 padding is passed as it is. FA4 reads whole pages when a page is exactly one key tile (block size 128 on
 sm90 with head_dim <= 128): the rows past a sequence's end in its last block must then hold finite values,
 which a zero-initialised cache guarantees.
 """
+import os
 from functools import cache
 
 import torch
@@ -35,6 +39,9 @@ MAX_HEAD_DIM = 256
 # 2-3 us slower at the 6 launch-bound ones (1 or 8 sequences of 128 tokens). A captured graph is per batch size,
 # and the contexts it will see are unknown, so the choice is per GPU: Triton for every decode step.
 TRITON_DECODE_FASTER_ON = {(9, 0)}
+# Prefill and mixed steps of at most this many tokens go to the Triton varlen kernel with triton_decode (0: none);
+# NANOVLLM_TRITON_VARLEN_TOKENS overrides it, for comparison.
+TRITON_VARLEN_TOKENS = 2048
 
 
 def triton_decode_measured_faster() -> bool:
@@ -78,7 +85,8 @@ class FlashAttnBackend(AttentionBackend):
     supports_cuda_graphs = True  # forward reads only device tensors and fixed host integers
     fuses_rope_store = True  # its store is Triton's
 
-    def __init__(self, family: str | None = None, triton_decode: bool = False):
+    def __init__(self, family: str | None = None, triton_decode: bool = False,
+                 triton_varlen_tokens: int | None = None):
         if family not in (None, "fa4", "fa2"):
             raise ValueError(f"flash-attn family={family!r} must be 'fa4', 'fa2' or None (the best available)")
         if family is None:
@@ -91,13 +99,17 @@ class FlashAttnBackend(AttentionBackend):
             raise ValueError(f"flash-attn family {family!r} is unusable here: {reason}")
         self.family = family
         self._kernels = _import_family(family)[0]
-        self._decode = None
+        self._triton = None
+        self.triton_varlen_tokens = 0
         if triton_decode:
-            from nanovllm.layers.triton_attention import decode_attention
+            from nanovllm.layers import triton_attention
             from nanovllm.layers.triton_guard import triton_available
             if not triton_available():
                 raise ValueError("attention_backend='triton-decode' needs a working Triton")
-            self.name, self._decode = "triton-decode", decode_attention
+            self.name, self._triton = "triton-decode", triton_attention
+            if triton_varlen_tokens is None:
+                triton_varlen_tokens = int(os.environ.get("NANOVLLM_TRITON_VARLEN_TOKENS", TRITON_VARLEN_TOKENS))
+            self.triton_varlen_tokens = triton_varlen_tokens
 
     def check(self, block_size: int, head_dim: int, kv_cache_dtype: torch.dtype):
         super().check(block_size, head_dim, kv_cache_dtype)
@@ -116,26 +128,41 @@ class FlashAttnBackend(AttentionBackend):
                 v_scale: float = 1.0) -> torch.Tensor:
         if not k_cache.numel():
             return self._forward_without_cache(q, k, v, meta, scale)
-        if self._decode is not None and meta.max_seqlen_q == 1:
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        if self._triton is not None:
+            return self._forward_with_triton(q, k, v, k_cache, v_cache, meta, scale)
+        if meta.max_seqlen_q == 1 and self.family == "fa2":  # decode: one query per sequence, FA2's split-KV kernel
+            out = self._kernels[1](q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
+                                   block_table=meta.block_tables, softmax_scale=scale, causal=True)
+            return out.squeeze(1)
+        return self._varlen(q, k_cache, v_cache, meta, scale)
+
+    def _varlen(self, q, k_cache, v_cache, meta, scale):
+        """Any step through the family's varlen kernel."""
+        varlen = self._kernels[0]
         if self.family == "fa4":
-            (varlen,) = self._kernels
             # No max_seqlen_k: FA4 then bounds it by the block-table width, which still holds when a captured
             # CUDA graph is replayed with longer contexts (a host integer would be frozen at capture).
             out, _ = varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
                             seqused_k=meta.context_lens, page_table=meta.block_tables,
                             softmax_scale=scale, causal=True)
             return out
-        varlen, with_kvcache = self._kernels
-        if meta.max_seqlen_q == 1:  # decode: one query per sequence, the split-KV decode kernel
-            out = with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                               block_table=meta.block_tables, softmax_scale=scale, causal=True)
-            return out.squeeze(1)
         # FA2's varlen kernel takes key lengths as cumulative offsets, even with a block table
         cu_seqlens_k = F.pad(meta.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
                       softmax_scale=scale, causal=True, block_table=meta.block_tables)
+
+    def _forward_with_triton(self, q, k, v, k_cache, v_cache, meta, scale):
+        """triton-decode: decodes to the Triton decode kernel; a step of at most triton_varlen_tokens other tokens
+        to the Triton varlen kernel (its leading decodes to the decode kernel, when it has many), a larger one
+        to flash-attn."""
+        triton = self._triton
+        if meta.max_seqlen_q == 1:
+            return triton.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        if q.size(0) - meta.num_decodes > self.triton_varlen_tokens:
+            return self._varlen(q, k_cache, v_cache, meta, scale)
+        out, meta = triton.split_decodes(q, k_cache, v_cache, meta, scale)
+        return triton.varlen_attention(q, k, v, k_cache, v_cache, meta, scale, out=out)
 
     def _forward_without_cache(self, q, k, v, meta, scale):
         """A warm-up run before the cache exists: each sequence attends over this step's own tokens."""

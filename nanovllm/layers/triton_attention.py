@@ -19,9 +19,12 @@ short context uses fewer splits and a longer one after capture still reads every
 normalised output and log-sum-exp in float32; a second kernel merges them. No host value changes per step.
 
 The varlen path is the same kernel with tiles of queries and no split; before the cache exists (a warm-up
-run) it reads this step's own keys and values instead of the cache.
+run) it reads this step's own keys and values instead of the cache. A mixed step that leads with many decodes
+(`split_decodes`) gives them to the decode kernel, which reads their keys at copy bandwidth where the varlen
+path, built for tiles of queries, does not; its prompts take the varlen path.
 """
-import functools
+import dataclasses
+import os
 
 import torch
 
@@ -29,6 +32,7 @@ from nanovllm.layers import triton_kvstore
 from nanovllm.layers.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata
 
 from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton, triton_available
+from nanovllm.layers.triton_guard import num_sms as _num_sms
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -38,9 +42,16 @@ SPLIT_TARGET_PROGRAMS_PER_SM = 4  # and then make at most this many (more than t
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
 QUERY_ROWS = 64  # varlen: query rows (tokens x heads of one KV head) per program
+# a mixed step with at least this many leading decodes attends them with the decode kernel (0: never);
+# NANOVLLM_SPLIT_DECODES overrides it, for comparison
+SPLIT_DECODES = int(os.environ.get("NANOVLLM_SPLIT_DECODES", 32))
 
 if triton is not None:
-    @triton.jit
+    # Nothing that changes from step to step picks a variant (which would compile mid-serving): not the block
+    # table's width, nor the alignment of the metadata, which a mixed step's decodes are sliced off
+    # (`split_decodes`; its loads of them are scalar)
+    @triton.jit(do_not_specialize=["block_table_stride"],
+                do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"])
     def _attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
         q_token_stride, q_head_stride, kv_token_stride, kv_head_stride, block_table_stride,
@@ -152,11 +163,6 @@ def decode_tile(head_dim: int, kv_itemsize: int) -> tuple[int, int, int]:
     return (keys, 4, 3) if head_dim <= 128 else (keys // 2, 4, 3)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def _check_triton():
     if triton is None:
         raise RuntimeError(f"the Triton attention kernels need a working Triton: {_TRITON_ERROR!r}")
@@ -182,9 +188,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
                      num_splits: int | None = None, min_split_tokens: int = MIN_SPLIT_TOKENS,
                      kv_tile: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                     compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One query token per sequence: q [batch, num_heads, head_dim] -> out [batch, num_heads, head_dim].
-    The keyword-only arguments override the tuned choices (benchmarks and tests)."""
+                     compute_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence: q [batch, num_heads, head_dim] -> out [batch, num_heads, head_dim] (written
+    into `out` when given). The other keyword-only arguments override the tuned choices (benchmarks and tests)."""
     _check_triton()
     batch, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -194,7 +200,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = decode_splits(batch, kv_heads, _num_sms(q.device))
     tile, warps, stages = decode_tile(head_dim, k_cache.element_size())
     tile, warps, stages = kv_tile or tile, num_warps or warps, num_stages or stages
-    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.is_contiguous()
     if batch == 0:
         return out
     args = _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale,
@@ -218,14 +226,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                     v_scale: float = 1.0) -> torch.Tensor:
+                     v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Any batch (prefill, prefix, decode, mixed): q [num_tokens, num_heads, head_dim]; causal, aligned to the end
-    of each context. With an empty cache (warm-up) it attends over this step's k and v instead."""
+    of each context. With an empty cache (warm-up) it attends over this step's k and v instead. Writes only the
+    rows of the sequences in `meta` (whose cu_seqlens_q index q's rows), into `out` when given."""
     _check_triton()
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.size(1)
     paged = k_cache.numel() > 0
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.is_contiguous()
     if num_tokens == 0:
         return out
     if paged:
@@ -247,6 +258,26 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         num_splits=1, min_split_tokens=0, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile, BLOCK_SIZE=block_size,
         DECODE=False, PAGED=paged, SPLIT=False, num_warps=4, num_stages=2, **args)
     return out
+
+
+def split_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, k_scale: float = 1.0, v_scale: float = 1.0
+                  ) -> tuple[torch.Tensor | None, AttentionMetadata]:
+    """A mixed step's output with its `meta.num_decodes` leading decodes attended by the decode kernel, and the
+    metadata of its other sequences (their cu_seqlens_q still index q's rows), when there are at least
+    SPLIT_DECODES of them and a prompt beside them; else (None, meta)."""
+    n = meta.num_decodes
+    if not SPLIT_DECODES or n < SPLIT_DECODES or n + 1 >= meta.cu_seqlens_q.numel() or not k_cache.numel():
+        return None, meta
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.context_lens[:n], scale, k_scale,
+                     v_scale, out=out[:n])
+    rest = dataclasses.replace(
+        meta, block_tables=meta.block_tables[n:], context_lens=meta.context_lens[n:],
+        cu_seqlens_q=meta.cu_seqlens_q[n:], num_decodes=0,
+        query_lens_host=meta.query_lens_host and meta.query_lens_host[n:],
+        context_lens_host=meta.context_lens_host and meta.context_lens_host[n:])
+    return out, rest
 
 
 class TritonBackend(AttentionBackend):
@@ -273,5 +304,5 @@ class TritonBackend(AttentionBackend):
         if k_cache.numel() and meta.max_seqlen_q == 1:
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                     k_scale, v_scale)
-        return varlen_attention(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
-
+        out, meta = split_decodes(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return varlen_attention(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, out=out)
