@@ -157,8 +157,11 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
 
 
 def decode_tile(head_dim: int, kv_itemsize: int) -> tuple[int, int, int]:
-    """(keys per iteration, warps, pipeline stages) of the decode kernel, tuned on an H200: 16 KB of keys an
-    iteration at head_dim 128 (64 bf16 keys, 128 FP8 keys)."""
+    """(keys per iteration, warps, pipeline stages) of the decode kernel, tuned on an H200 at head_dim 128: 16 KB
+    of keys an iteration, 4 warps; over FP8, whose conversions bound it more than its bytes, 64 keys and 2 warps
+    (8-30% faster than 128 keys and 4 warps at each of 7 shapes, benchmarks/decode_attention_notes.md)."""
+    if kv_itemsize == 1:
+        return (64, 2, 3) if head_dim <= 128 else (64, 4, 3)
     keys = 64 * 2 // kv_itemsize
     return (keys, 4, 3) if head_dim <= 128 else (keys // 2, 4, 3)
 
