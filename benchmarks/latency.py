@@ -4,8 +4,8 @@ Requests arrive at `--rate` per second (exponential gaps, seed 0) with prompt le
 output lengths uniform in 100..`--max-output-len` (or all of it, when that is below 100); each is streamed with `LLM.stream`. Reports time to first
 token (TTFT) and inter-token latency (ITL), p50 and p99, for each policy. Below the table, for each policy: the
 slowest steps of the timed run (wall time, prefill and decode tokens), and how many kernels compiled during it
-(flash-attn-4's cache of compiled kernels and torch.compile's frames): a tail that comes from a compile mid-serving
-shows there.
+(flash-attn-4's cache of compiled kernels, torch.compile's frames, and Triton's compile hook, which names them):
+a tail that comes from a compile mid-serving shows there.
 
     python benchmarks/latency.py [--model PATH] [--num-requests 200] [--rate 20] [--budgets 512 2048 16384]
 
@@ -46,9 +46,22 @@ async def drive(llm: LLM, requests, rate: float, seed: int):
     return await asyncio.gather(*tasks)
 
 
+TRITON_COMPILES: list[str] = []  # the Triton kernels this process compiled (or loaded from Triton's disk cache)
+
+
+def watch_triton_compiles():
+    """Record each Triton kernel variant as it is compiled; Triton without the hook (before 3.4) records none."""
+    try:
+        from triton import knobs
+        knobs.runtime.jit_post_compile_hook = lambda *, fn, **_: TRITON_COMPILES.append(fn.name)
+    except Exception:
+        pass
+
+
 def compiled_kernels() -> int:
-    """Kernels compiled so far in this process by flash-attn-4 and torch.compile (what can compile mid-serving)."""
-    count = 0
+    """Kernels compiled so far in this process by flash-attn-4, torch.compile and Triton (what can compile
+    mid-serving)."""
+    count = len(TRITON_COMPILES)
     try:
         from flash_attn.cute import interface
         cache = interface._flash_attn_fwd.compile_cache
@@ -81,6 +94,7 @@ def main():
     parser.add_argument("--budgets", type=int, nargs="+", default=[DEFAULT_BUDGET],
                         help="token budgets of the mixed steps (max_num_batched_tokens), each its own run")
     args = parser.parse_args()
+    watch_triton_compiles()
     path = args.model or str(default_checkpoint("qwen3-0.6b" if torch.cuda.is_available() else "tiny"))
 
     rng = random.Random(0)
@@ -95,19 +109,21 @@ def main():
             # a short burst first: every kind of step has run (and compiled) before the clock starts
             warmup = [(prompt, SamplingParams(max_tokens=8, ignore_eos=True)) for prompt, _ in requests[:16]]
             asyncio.run(drive(llm, warmup, 4 * args.rate, seed=1))
-            compiled, steps = compiled_kernels(), trace_steps(llm)
+            compiled, triton_before, steps = compiled_kernels(), len(TRITON_COMPILES), trace_steps(llm)
             t = time.perf_counter()
             results = asyncio.run(drive(llm, requests, args.rate, seed=0))
             elapsed = time.perf_counter() - t
             compiled = compiled_kernels() - compiled
+            triton_names = sorted(set(TRITON_COMPILES[triton_before:]))
         ttft = [r[0] for r in results]
         itl = [gap for r in results for gap in r[1]]
         tokens = sum(len(r[1]) + 1 for r in results)
         rows.append((name, percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50), percentile(itl, 99),
                      tokens / elapsed))
         slowest = sorted(steps, reverse=True)[:5]
-        notes.append(f"{name}: {len(steps)} steps, {compiled} kernels compiled during the run; slowest steps "
-                     f"(ms, prefill tokens, decode tokens): " +
+        notes.append(f"{name}: {len(steps)} steps, {compiled} kernels compiled during the run"
+                     + (f" (Triton: {', '.join(triton_names)})" if triton_names else "")
+                     + "; slowest steps (ms, prefill tokens, decode tokens): " +
                      ", ".join(f"({s * 1e3:.0f}, {p}, {d})" for s, p, d in slowest))
         late = sorted(zip(results, requests), key=lambda x: -x[0][0])[:5]
         notes.append(f"{name}: slowest first tokens (ms, arrival s, prompt tokens, output tokens): " +

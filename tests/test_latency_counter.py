@@ -5,6 +5,9 @@ printed "0 kernels compiled" beside a 4 s step."""
 import sys
 import types
 
+import pytest
+
+from benchmarks import latency
 from benchmarks.latency import compiled_kernels
 
 
@@ -32,3 +35,17 @@ def test_kernels_in_flash_attn_4s_jit_cache_are_counted(monkeypatch):
     _flash_attn_fwd.compile_cache[("varlen", 128)] = object()
     _flash_attn_fwd.compile_cache[("varlen", 64)] = object()
     assert compiled_kernels() - before == 2
+
+
+def test_triton_compiles_are_counted_and_named(monkeypatch):
+    """Triton's own kernels (attention, sampler, KV store) can compile mid-serving too: latency.py hooks Triton's
+    compiler and counts and names each variant."""
+    knobs = pytest.importorskip("triton.knobs")
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)  # restored after the test
+    monkeypatch.setattr(latency, "TRITON_COMPILES", [])
+    latency.watch_triton_compiles()
+    before = compiled_kernels()
+    fn = types.SimpleNamespace(name="_pick_kernel")
+    knobs.runtime.jit_post_compile_hook(key=None, repr="", fn=fn, compile={}, is_manual_warmup=False,
+                                        already_compiled=False)
+    assert compiled_kernels() - before == 1 and latency.TRITON_COMPILES == ["_pick_kernel"]
