@@ -177,3 +177,36 @@ def test_kernel_warmup_runs_each_kind_of_step(tiny_model, hf_model, monkeypatch)
                            (1, 1, 1, 1)]
     for prompt, out in zip(prompts, outputs):
         assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
+
+
+def warmup_steps(llm, monkeypatch) -> list[tuple]:
+    """(sequences, leading decodes, longest chunk, longest context) of each step `warmup_kernels` runs."""
+    runner, shapes = llm.model_runner, []
+    run_step = runner.run_step
+    monkeypatch.setattr(runner, "run_step", lambda inputs, sampling=(): shapes.append(
+        (inputs.num_seqs, inputs.num_leading_decodes, int(inputs.query_lens.max()), int(inputs.context_lens.max())))
+        or run_step(inputs, sampling))
+    runner.warmup_kernels()
+    return shapes
+
+
+def test_kernel_warmup_chunks_stay_chunks_beside_many_sequences(tiny_model, monkeypatch):
+    """With more sequences than half a small step's tokens (max_num_seqs 32 beside contexts of 32 tokens: the
+    default 512 beside blocks of 256 is the same), the widest step of short chunks still holds chunks of 2 tokens,
+    not decodes: every step before the last decode-only one has a chunk."""
+    with LLM(tiny_model, max_num_seqs=32, kvcache_block_size=16, max_num_batched_tokens=256,
+             max_model_len=256) as llm:
+        shapes = warmup_steps(llm, monkeypatch)
+    assert len(shapes) == 11 and shapes[-1] == (1, 1, 1, 256)  # contexts of 32, then of 256 tokens
+    assert all(chunk >= 2 for _, _, chunk, _ in shapes[:-1]), shapes
+    assert [(seqs, decodes, chunk) for seqs, decodes, chunk, _ in shapes if seqs == 32 and not decodes] == [
+        (32, 0, 2), (32, 0, 4)]  # max(2, 32 // 2 // 32), then 256 // 2 // 32
+
+
+def test_kernel_warmup_fits_a_cache_smaller_than_the_token_budget(tiny_model, monkeypatch):
+    """A KV cache of fewer tokens (4 blocks of 16) than the token budget (256): the warm-up's large steps have
+    contexts of the cache's 64 tokens, whose blocks exist, and run."""
+    with LLM(tiny_model, max_num_seqs=4, kvcache_block_size=16, max_num_batched_tokens=256,
+             num_kvcache_blocks=4) as llm:
+        shapes = warmup_steps(llm, monkeypatch)
+    assert sorted({context for *_, context in shapes}) == [32, 64]

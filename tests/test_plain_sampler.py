@@ -156,6 +156,53 @@ def test_parts_of_the_vocabulary_draw_what_one_program_draws(small_tiles):
 
 
 @needs_triton
+def test_parts_pick_right_when_every_score_is_below_zero(small_tiles):
+    """A row's winning score may be below zero (logits all negative, greedy or sampled) or -inf (every token
+    masked): cut into parts it draws what it draws in one piece, and a greedy row, like a row of -inf, takes
+    torch.argmax's token (the first: 0 for a row of -inf), never a part's padding nor one past the vocabulary."""
+    vocab = 300 if DEVICE.type == "cpu" else 151936
+    logits = tied_logits(6, vocab, seed=13).to(DEVICE) - 16.0  # -20..-12, row 0's tie at -7
+    logits[2:4] = float("-inf")
+    temperatures = torch.tensor([0.0, 0.5, 0.0, 1.0, 0.0, 2.0], device=DEVICE)
+    greedy = temperatures == 0
+    whole = triton_sampler.sample_plain(logits, temperatures, triton_sampler.make_rng_state(9, DEVICE), parts=1)
+    assert torch.equal(whole[greedy], logits[greedy].argmax(dim=1))
+    assert whole[0].item() == 3 and whole[2].item() == 0
+    assert whole[3].item() == 0  # a sampled row of -inf: every score ties, and the first token wins
+    for parts in (2, 3, 5):
+        cut = triton_sampler.sample_plain(logits, temperatures, triton_sampler.make_rng_state(9, DEVICE),
+                                          parts=parts)
+        assert torch.equal(cut, whole), parts
+
+
+@needs_triton
+def test_more_parts_than_the_pick_kernel_reads_are_capped(small_tiles):
+    """`parts` beyond MAX_PARTS (the pick kernel's width) cuts the row into MAX_PARTS parts: a row whose winner
+    lies in its last group of tiles, past the 64th part, still draws it."""
+    groups = triton_sampler.MAX_PARTS + 2
+    vocab = groups * 4 * triton_sampler.BLOCK
+    logits = torch.zeros(2, vocab, device=DEVICE)
+    logits[0, -5] = 1.0  # greedy: the last group's token
+    logits[1, -3] = 50.0  # sampled at T=1: it wins (the noise, from 24 random bits, stays below 18)
+    temperatures = torch.tensor([0.0, 1.0], device=DEVICE)
+    draws = triton_sampler.sample_plain(logits, temperatures, triton_sampler.make_rng_state(1, DEVICE),
+                                        parts=groups)
+    assert draws.tolist() == [vocab - 5, vocab - 3]
+
+
+def test_parts_fill_the_gpu_twice():
+    """Rows x parts reach PROGRAMS_PER_SM programs per SM (but for the MAX_PARTS cap) without going past them
+    (but for one part a row), for any count of rows and SMs."""
+    for sms in (132, 78, 16):
+        for rows in (1, 2, 3, 5, 7, 16, 40, 100, 2 * sms - 1, 2 * sms, 2 * sms + 1, 1024):
+            parts = triton_sampler.sampler_parts(rows, sms)
+            target = triton_sampler.PROGRAMS_PER_SM * sms
+            assert 1 <= parts <= triton_sampler.MAX_PARTS, (rows, sms)
+            assert parts == triton_sampler.MAX_PARTS or rows * (parts + 1) > target, (rows, sms, parts)
+            assert parts == 1 or rows * parts <= target, (rows, sms, parts)
+
+
+@needs_triton
 def test_kernel_compiles_for_sm90():
     """The interpreter runs the kernel without type-checking it as the compiler does (tests/test_triton_rope_store.py
     had a kernel that passed it and failed to compile on the H200). As the engine launches it: bf16 logits of

@@ -169,6 +169,25 @@ def test_mixed_step_gives_its_leading_decodes_to_the_decode_kernel(split_from, k
         assert [(name, rows) for name, rows, _ in calls] == [("varlen_attention", 48)]
 
 
+def test_split_decodes_needs_one_prompt_beside_the_decodes(monkeypatch):
+    """SPLIT_DECODES decodes and a single prompt split (the usual mixed step: decodes beside one prefill chunk),
+    and the two kernels' output agrees with torch; a step of decodes alone, with no prompt, does not split."""
+    monkeypatch.setattr(triton_attention, "SPLIT_DECODES", 3)
+    query_lens, contexts = [1, 1, 1, 13], [5, 40, 17, 30]
+    q, k, v, caches, meta = make_case(query_lens, contexts, 4, 2, 64, 16, False, seed=6)
+    meta = dataclasses.replace(meta, num_decodes=3)
+    expected = reference(q, k, v, caches, meta, False)
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    scale = q.size(-1) ** -0.5
+    out, rest = triton_attention.split_decodes(q, *caches, meta, scale)
+    assert out is not None and rest.cu_seqlens_q.tolist() == [3, 16] and rest.context_lens.tolist() == [30]
+    assert_close(triton_attention.varlen_attention(q, k, v, *caches, rest, scale, out=out), expected, torch.float32)
+    decodes = dataclasses.replace(meta, cu_seqlens_q=meta.cu_seqlens_q[:4], context_lens=meta.context_lens[:3],
+                                  block_tables=meta.block_tables[:3], max_seqlen_q=1)
+    out, rest = triton_attention.split_decodes(q[:3], *caches, decodes, scale)
+    assert out is None and rest is decodes
+
+
 @pytest.mark.parametrize("k_layout", ["slice", "contiguous"])
 def test_varlen_without_cache_reads_this_steps_keys(k_layout):
     """The warm-up before the cache exists: each sequence attends over its own k and v. v is a strided slice of
