@@ -128,8 +128,11 @@ class FlashAttnBackend(AttentionBackend):
                 v_scale: float = 1.0) -> torch.Tensor:
         if not k_cache.numel():
             return self._forward_without_cache(q, k, v, meta, scale)
-        if self._triton is not None:
-            return self._forward_with_triton(q, k, v, k_cache, v_cache, meta, scale)
+        # triton-decode: decode steps, and steps of at most triton_varlen_tokens tokens besides their leading
+        # decodes, on the Triton kernels; larger ones on flash-attn
+        if self._triton is not None and (meta.max_seqlen_q == 1
+                                         or q.size(0) - meta.num_decodes <= self.triton_varlen_tokens):
+            return self._triton.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
         if meta.max_seqlen_q == 1 and self.family == "fa2":  # decode: one query per sequence, FA2's split-KV kernel
             out = self._kernels[1](q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
                                    block_table=meta.block_tables, softmax_scale=scale, causal=True)
@@ -151,18 +154,6 @@ class FlashAttnBackend(AttentionBackend):
         return varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
                       softmax_scale=scale, causal=True, block_table=meta.block_tables)
-
-    def _forward_with_triton(self, q, k, v, k_cache, v_cache, meta, scale):
-        """triton-decode: decodes to the Triton decode kernel; a step of at most triton_varlen_tokens other tokens
-        to the Triton varlen kernel (its leading decodes to the decode kernel, when it has many), a larger one
-        to flash-attn."""
-        triton = self._triton
-        if meta.max_seqlen_q == 1:
-            return triton.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
-        if q.size(0) - meta.num_decodes > self.triton_varlen_tokens:
-            return self._varlen(q, k_cache, v_cache, meta, scale)
-        out, meta = triton.split_decodes(q, k_cache, v_cache, meta, scale)
-        return triton.varlen_attention(q, k, v, k_cache, v_cache, meta, scale, out=out)
 
     def _forward_without_cache(self, q, k, v, meta, scale):
         """A warm-up run before the cache exists: each sequence attends over this step's own tokens."""

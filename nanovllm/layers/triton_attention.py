@@ -283,6 +283,16 @@ def split_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out, rest
 
 
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Any step on the Triton kernels: a decode-only step on the decode kernel, any other on the varlen path, its
+    leading decodes split off to the decode kernel when it has many (`split_decodes`)."""
+    if k_cache.numel() and meta.max_seqlen_q == 1:
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, k_scale, v_scale)
+    out, meta = split_decodes(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    return varlen_attention(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, out=out)
+
+
 class TritonBackend(AttentionBackend):
     """Triton for every step: the split-KV decode kernel for decode-only steps, the varlen path otherwise.
     Reads model-dtype and FP8 caches; runs on any CUDA GPU that Triton supports."""
@@ -304,8 +314,4 @@ class TritonBackend(AttentionBackend):
         triton_kvstore.store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0):
-        if k_cache.numel() and meta.max_seqlen_q == 1:
-            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                    k_scale, v_scale)
-        out, meta = split_decodes(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
-        return varlen_attention(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, out=out)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
