@@ -124,14 +124,12 @@ def sample_plain(logits: torch.Tensor, temperatures: torch.Tensor, rng_state: to
         parts = min(groups, MAX_PARTS, parts or sampler_parts(rows, num_sms(logits.device)))
         part_size = -(-groups // parts) * 4 * BLOCK
         parts = -(-vocab_size // part_size)  # (fewer when the groups do not divide evenly)
-        if parts == 1:
-            _sample_plain_kernel[(rows, 1)](logits, logits.stride(0), temperatures, rng_state, out, out, vocab_size,
-                                            part_size, BLOCK=BLOCK, SPLIT=False, num_warps=8)
-        else:
-            scores = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
-            indices = torch.empty(rows, parts, dtype=torch.int64, device=logits.device)
-            _sample_plain_kernel[(rows, parts)](logits, logits.stride(0), temperatures, rng_state, indices, scores,
-                                                vocab_size, part_size, BLOCK=BLOCK, SPLIT=True, num_warps=8)
+        split = parts > 1  # (one part writes its winner straight to out, and has no score to store)
+        indices = torch.empty(rows, parts, dtype=torch.int64, device=logits.device) if split else out
+        scores = torch.empty(rows, parts, dtype=torch.float32, device=logits.device) if split else out
+        _sample_plain_kernel[(rows, parts)](logits, logits.stride(0), temperatures, rng_state, indices, scores,
+                                            vocab_size, part_size, BLOCK=BLOCK, SPLIT=split, num_warps=8)
+        if split:
             _pick_kernel[(rows,)](scores, indices, out, parts, PARTS_PAD=MAX_PARTS, num_warps=1)
     rng_state[1:].add_(1)
     return out
