@@ -188,6 +188,40 @@ def test_split_decodes_needs_one_prompt_beside_the_decodes(monkeypatch):
     assert out is None and rest is decodes
 
 
+def assert_same_meta(got, want):
+    for f in filter(lambda f: f.compare, dataclasses.fields(want)):  # not the cache of derived parts
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        assert torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b, f.name
+
+
+def test_split_decodes_builds_a_steps_parts_once(monkeypatch):
+    """Every layer of a step passes the same metadata: the first that splits builds the decodes' block tables and
+    context lengths and the other sequences' metadata, the others reuse them. The next step's metadata, a new
+    object, gets parts of its own, each equal to the slices built afresh; so does a `replace` of a metadata."""
+    monkeypatch.setattr(triton_attention, "SPLIT_DECODES", 1)
+    decode_args = []
+    monkeypatch.setattr(triton_attention, "decode_attention", lambda q, kc, vc, tables, lens, *a, **kw:
+                        decode_args.append((tables, lens)))
+    cache = torch.zeros(8, 16, 2, 64, device=DEVICE)
+    for query_lens, contexts, n in [([1, 1, 1, 13], [5, 40, 17, 30], 3), ([1, 1, 9, 4], [33, 8, 20, 4], 2)]:
+        _, _, _, _, meta = make_case(query_lens, contexts, 4, 2, 64, 16, False, seed=n)
+        meta = dataclasses.replace(meta, num_decodes=n)
+        q = torch.zeros(sum(query_lens), 4, 64, device=DEVICE)
+        decode_args.clear()
+        rests = [triton_attention.split_decodes(q, cache, cache, meta, 0.125)[1] for _ in range(3)]  # 3 layers
+        assert rests[0] is rests[1] is rests[2]
+        assert all(a is b for args in decode_args[1:] for a, b in zip(args, decode_args[0]))
+        tables, lens = decode_args[0]
+        assert torch.equal(tables, meta.block_tables[:n]) and torch.equal(lens, meta.context_lens[:n])
+        assert_same_meta(rests[0], dataclasses.replace(
+            meta, block_tables=meta.block_tables[n:], context_lens=meta.context_lens[n:],
+            cu_seqlens_q=meta.cu_seqlens_q[n:], num_decodes=0, query_lens_host=query_lens[n:],
+            context_lens_host=contexts[n:]))
+        fewer = dataclasses.replace(meta, num_decodes=n - 1)
+        rest = triton_attention.split_decodes(q, cache, cache, fewer, 0.125)[1]
+        assert rest.cu_seqlens_q.tolist() == meta.cu_seqlens_q[n - 1:].tolist()
+
+
 @pytest.mark.parametrize("k_layout", ["slice", "contiguous"])
 def test_varlen_without_cache_reads_this_steps_keys(k_layout):
     """The warm-up before the cache exists: each sequence attends over its own k and v. v is a strided slice of

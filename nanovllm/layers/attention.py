@@ -11,7 +11,7 @@ keys and one for values per layer: the store writes `clamp(x / scale, -448, 448)
 benchmarks/decode_attention_notes.md).
 """
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,20 @@ class AttentionMetadata:
     query_lens_host: list[int] | None = None  # host copies for backends that loop over sequences
     context_lens_host: list[int] | None = None
     num_decodes: int = 0  # leading sequences of one query token (the scheduler puts decodes first)
+    _decodes_and_rest: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def decodes_and_rest(self) -> tuple[torch.Tensor, torch.Tensor, "AttentionMetadata"]:
+        """The leading decodes' block tables and context lengths, and the metadata of the other sequences (whose
+        cu_seqlens_q still index the step's rows). Built by the first layer that asks and kept for the others: every
+        layer of a step reads this one object, which nothing changes once it is built (a `replace` starts afresh)."""
+        if self._decodes_and_rest is None:
+            n = self.num_decodes
+            rest = replace(self, block_tables=self.block_tables[n:], context_lens=self.context_lens[n:],
+                           cu_seqlens_q=self.cu_seqlens_q[n:], num_decodes=0,
+                           query_lens_host=self.query_lens_host and self.query_lens_host[n:],
+                           context_lens_host=self.context_lens_host and self.context_lens_host[n:])
+            self._decodes_and_rest = self.block_tables[:n], self.context_lens[:n], rest
+        return self._decodes_and_rest
 
 
 class AttentionBackend(ABC):

@@ -23,7 +23,6 @@ run) it reads this step's own keys and values instead of the cache. A mixed step
 (`split_decodes`) gives them to the decode kernel, which reads their keys at copy bandwidth where the varlen
 path, built for tiles of queries, does not; its prompts take the varlen path.
 """
-import dataclasses
 import os
 
 import torch
@@ -272,14 +271,9 @@ def split_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     n = meta.num_decodes
     if not SPLIT_DECODES or n < SPLIT_DECODES or n + 1 >= meta.cu_seqlens_q.numel() or not k_cache.numel():
         return None, meta
+    block_tables, context_lens, rest = meta.decodes_and_rest()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.context_lens[:n], scale, k_scale,
-                     v_scale, out=out[:n])
-    rest = dataclasses.replace(
-        meta, block_tables=meta.block_tables[n:], context_lens=meta.context_lens[n:],
-        cu_seqlens_q=meta.cu_seqlens_q[n:], num_decodes=0,
-        query_lens_host=meta.query_lens_host and meta.query_lens_host[n:],
-        context_lens_host=meta.context_lens_host and meta.context_lens_host[n:])
+    decode_attention(q[:n], k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out=out[:n])
     return out, rest
 
 
