@@ -222,6 +222,19 @@ def test_split_decodes_builds_a_steps_parts_once(monkeypatch):
         assert rest.cu_seqlens_q.tolist() == meta.cu_seqlens_q[n - 1:].tolist()
 
 
+def test_layers_share_the_kernel_arguments():
+    """The arguments both paths share are built once per shape, dtype and scales, not in every layer's attention;
+    other scales (an FP8 cache's) get their own."""
+    q, k, v, caches, meta = make_case([1, 6], [5, 6], 4, 2, 64, 16, False, seed=7)
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    triton_attention._common_args.cache_clear()
+    for _ in range(3):  # 3 layers
+        triton_attention.paged_attention(q, k, v, *caches, meta, 0.125)
+    assert triton_attention._common_args.cache_info().misses == 1
+    triton_attention.paged_attention(q, k, v, *caches, meta, 0.125, K_SCALE, V_SCALE)
+    assert triton_attention._common_args.cache_info().misses == 2
+
+
 @pytest.mark.parametrize("k_layout", ["slice", "contiguous"])
 def test_varlen_without_cache_reads_this_steps_keys(k_layout):
     """The warm-up before the cache exists: each sequence attends over its own k and v. v is a strided slice of

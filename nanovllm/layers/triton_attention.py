@@ -23,6 +23,7 @@ run) it reads this step's own keys and values instead of the cache. A mixed step
 (`split_decodes`) gives them to the decode kernel, which reads their keys at copy bandwidth where the varlen
 path, built for tiles of queries, does not; its prompts take the varlen path.
 """
+import functools
 import os
 
 import torch
@@ -177,8 +178,10 @@ def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
     return torch.float16
 
 
-def _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale, compute_dtype):
-    group = q.size(1) // kv_heads
+@functools.cache
+def _common_args(group, kv_heads, head_dim, scale, k_scale, v_scale, compute_dtype) -> dict:
+    """The kernel arguments that both paths share, built once per shape and dtype (a few microseconds each time,
+    in every layer's attention) and shared by every call: read, never written."""
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     return dict(qk_scale=scale * k_scale * LOG2E, v_scale=v_scale, NUM_KV_HEADS=kv_heads, GROUP=group,
                 GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
@@ -207,7 +210,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert out.shape == q.shape and out.is_contiguous()
     if batch == 0:
         return out
-    args = _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale,
+    args = _common_args(num_heads // kv_heads, kv_heads, head_dim, scale, k_scale, v_scale,
                         compute_dtype or _compute_dtype(q.dtype, k_cache.dtype))
     rows = max(16, args["GROUP_PAD"])
     split = num_splits > 1
@@ -249,7 +252,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         if k.stride() != v.stride() or k.stride(-1) != 1:  # k is normed (contiguous), v a slice of the qkv output
             keys, values = k.contiguous(), v.contiguous()
         token_stride, head_stride = keys.stride(0), keys.stride(1)
-    args = _common_args(q, kv_heads, head_dim, scale, k_scale, v_scale, _compute_dtype(q.dtype, keys.dtype))
+    args = _common_args(num_heads // kv_heads, kv_heads, head_dim, scale, k_scale, v_scale,
+                        _compute_dtype(q.dtype, keys.dtype))
     rows = max(QUERY_ROWS, args["GROUP_PAD"])
     query_tile = rows // args["GROUP_PAD"]
     tile = 64 if head_dim <= 128 else 32
