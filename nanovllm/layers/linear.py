@@ -10,7 +10,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers import triton_skinny
 from nanovllm.utils.parallel import tp_rank, tp_size
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, or the skinny matmul where it is faster (`triton_skinny.fits`)."""
+    if triton_skinny.fits(x, weight):
+        return triton_skinny.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor):
@@ -53,7 +61,7 @@ class LinearBase(nn.Module):
         copy_weight(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -120,7 +128,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, on rank 0, so the all-reduce sums it exactly once
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
