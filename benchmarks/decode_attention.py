@@ -126,11 +126,19 @@ def fp8_tile_cases() -> list:
     return [(b, c, True, dict(kv_tile=t, num_warps=w, num_stages=st)) for b, c in shapes for t, w, st in tiles]
 
 
+def short_tile_cases() -> list:
+    """bf16 decode tiles beside the default (64 keys, 4 warps, 3 stages) where contexts are short and batches
+    large (512 x 128 read at 71% of copy bandwidth), and at longer contexts that a change must not slow."""
+    tiles = ((64, 4, 3), (64, 4, 2), (128, 4, 2), (128, 8, 2), (32, 2, 3), (64, 2, 3), (32, 4, 2))
+    shapes = ((512, 128), (256, 128), (512, 1024), (128, 4096), (32, 4096))
+    return [(b, c, False, dict(kv_tile=t, num_warps=w, num_stages=st)) for b, c in shapes for t, w, st in tiles]
+
+
 def sweep(args):
     """Alternatives to the kernel's tuned choices, each beside the default, on the shapes that stress it
-    (`--sweep fp8`: the FP8 tiles across the table's shapes)."""
+    (`--sweep fp8`: the FP8 tiles across the table's shapes; `--sweep short`: bf16 tiles for short contexts)."""
     fp16, bf16 = torch.float16, torch.bfloat16
-    cases = fp8_tile_cases() if args.sweep == "fp8" else [  # (batch, context, fp8, overrides)
+    cases = fp8_tile_cases() if args.sweep == "fp8" else short_tile_cases() if args.sweep == "short" else [  # (batch, context, fp8, overrides)
         *[(256, 1024, True, dict(kv_tile=t, num_warps=w, num_stages=3, compute_dtype=c))
           for c in (fp16, bf16) for t, w in ((128, 4), (64, 4), (64, 2), (128, 8))],
         *[(b, c, False, dict(kv_tile=t, num_warps=w, num_stages=st)) for b, c in ((8, 16384), (32, 16384), (4, 4096))
@@ -158,7 +166,7 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--context", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--block-size", type=int, nargs="+", default=BLOCK_SIZES)
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "fp8"],
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "fp8", "short"],
                         help="time the kernel's tile and split choices instead (fp8: the FP8 tiles at more shapes)")
     args = parser.parse_args()
     torch.manual_seed(0)
