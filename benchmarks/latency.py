@@ -4,8 +4,8 @@ Requests arrive at `--rate` per second (exponential gaps, seed 0) with prompt le
 output lengths uniform in 100..`--max-output-len` (or all of it, when that is below 100); each is streamed with `LLM.stream`. Reports time to first
 token (TTFT) and inter-token latency (ITL), p50 and p99, for each policy. Below the table, for each policy: the
 slowest steps of the timed run (wall time, prefill and decode tokens), and how many kernels compiled during it
-(flash-attn-4's cache of compiled kernels, torch.compile's frames, and Triton's compile hook, which names them):
-a tail that comes from a compile mid-serving shows there.
+(flash-attn-4's cache of compiled kernels, torch.compile's frames, and Triton's compile hook, which names them)
+and the longest garbage collection: a tail that comes from a compile or a collection mid-serving shows there.
 
     python benchmarks/latency.py [--model PATH] [--num-requests 200] [--rate 20] [--budgets 512 2048 16384]
 
@@ -14,6 +14,7 @@ long prompts into more chunks, so decodes beside them wait less and first tokens
 """
 import argparse
 import asyncio
+import gc
 import random
 import statistics
 import time
@@ -58,6 +59,20 @@ def watch_triton_compiles():
         pass
 
 
+GC_PAUSES: list[tuple[float, int]] = []  # (seconds, generation) of every garbage collection in this process
+
+
+def watch_garbage_collections():
+    started = []
+
+    def callback(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            GC_PAUSES.append((time.perf_counter() - started.pop(), info["generation"]))
+    gc.callbacks.append(callback)
+
+
 def compiled_kernels() -> int:
     """Kernels compiled so far in this process by flash-attn-4, torch.compile and Triton (what can compile
     mid-serving)."""
@@ -95,6 +110,7 @@ def main():
                         help="token budgets of the mixed steps (max_num_batched_tokens), each its own run")
     args = parser.parse_args()
     watch_triton_compiles()
+    watch_garbage_collections()
     path = args.model or str(default_checkpoint("qwen3-0.6b" if torch.cuda.is_available() else "tiny"))
 
     rng = random.Random(0)
@@ -110,11 +126,13 @@ def main():
             warmup = [(prompt, SamplingParams(max_tokens=8, ignore_eos=True)) for prompt, _ in requests[:16]]
             asyncio.run(drive(llm, warmup, 4 * args.rate, seed=1))
             compiled, triton_before, steps = compiled_kernels(), len(TRITON_COMPILES), trace_steps(llm)
+            gc_before = len(GC_PAUSES)
             t = time.perf_counter()
             results = asyncio.run(drive(llm, requests, args.rate, seed=0))
             elapsed = time.perf_counter() - t
             compiled = compiled_kernels() - compiled
             triton_names = sorted(set(TRITON_COMPILES[triton_before:]))
+            pauses = GC_PAUSES[gc_before:]
         ttft = [r[0] for r in results]
         itl = [gap for r in results for gap in r[1]]
         tokens = sum(len(r[1]) + 1 for r in results)
@@ -123,6 +141,8 @@ def main():
         slowest = sorted(steps, reverse=True)[:5]
         notes.append(f"{name}: {len(steps)} steps, {compiled} kernels compiled during the run"
                      + (f" (Triton: {', '.join(triton_names)})" if triton_names else "")
+                     + f", {len(pauses)} garbage collections, the longest "
+                     + ("%.1f ms (generation %d)" % (max(pauses)[0] * 1e3, max(pauses)[1]) if pauses else "-")
                      + "; slowest steps (ms, prefill tokens, decode tokens): " +
                      ", ".join(f"({s * 1e3:.0f}, {p}, {d})" for s, p, d in slowest))
         late = sorted(zip(results, requests), key=lambda x: -x[0][0])[:5]

@@ -2,6 +2,7 @@
 compile mid-serving. flash-attn-4 4.0.0b36 keeps its compiled kernels in a `JITCache` whose dict is `.cache` and
 which has no `len()`: counting it with len() raised, the error was swallowed, and the H200 runs of 2026-11-30
 printed "0 kernels compiled" beside a 4 s step."""
+import gc
 import sys
 import types
 
@@ -49,3 +50,15 @@ def test_triton_compiles_are_counted_and_named(monkeypatch):
     knobs.runtime.jit_post_compile_hook(key=None, repr="", fn=fn, compile={}, is_manual_warmup=False,
                                         already_compiled=False)
     assert compiled_kernels() - before == 1 and latency.TRITON_COMPILES == ["_pick_kernel"]
+
+
+def test_garbage_collections_are_timed(monkeypatch):
+    """A full collection mid-serving stalls a step as a compile does: latency.py times each one."""
+    monkeypatch.setattr(latency, "GC_PAUSES", [])
+    callbacks = list(gc.callbacks)
+    try:
+        latency.watch_garbage_collections()
+        gc.collect()
+    finally:
+        gc.callbacks[:] = callbacks
+    assert len(latency.GC_PAUSES) == 1 and latency.GC_PAUSES[0][1] == 2 and latency.GC_PAUSES[0][0] > 0

@@ -13,6 +13,7 @@ broadcast), because the next step may be launched before the host knows them: a 
 pending reads it from there.
 """
 import faulthandler
+import gc
 import logging
 import os
 import threading
@@ -132,6 +133,10 @@ class ModelRunner:
                                              self.device)
 
         self.channel = Channel(shm_name, rank, semaphores) if self.world_size > 1 else None
+        # what exists now (weights, graphs, compiled code) lives as long as the engine: frozen out of the garbage
+        # collector's sight, a full collection while serving walks only what serving made (`exit` thaws it)
+        gc.collect()
+        gc.freeze()
         if self.world_size > 1 and rank:
             self.loop()
 
@@ -151,6 +156,7 @@ class ModelRunner:
 
     # ---- tensor-parallel plumbing -------------------------------------------------------------------
     def exit(self, workers_alive: bool = True):
+        gc.unfreeze()  # this engine's cycles (compiled forwards hold the model) can be collected again
         if self.channel is not None:
             self.channel.close()
             self.channel = None
