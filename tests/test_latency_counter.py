@@ -4,6 +4,7 @@ which has no `len()`: counting it with len() raised, the error was swallowed, an
 printed "0 kernels compiled" beside a 4 s step."""
 import gc
 import sys
+import time
 import types
 
 import pytest
@@ -62,3 +63,57 @@ def test_garbage_collections_are_timed(monkeypatch):
     finally:
         gc.callbacks[:] = callbacks
     assert len(latency.GC_PAUSES) == 1 and latency.GC_PAUSES[0][1] == 2 and latency.GC_PAUSES[0][0] > 0
+
+
+def test_each_collection_is_timed_from_its_own_start(monkeypatch):
+    """Each pause runs from its collection's start to its end, with the generation it collected: two collections
+    with a sleep between them are each timed within the wall time of their own gc.collect call (automatic
+    collections off, so that only these two are seen)."""
+    monkeypatch.setattr(latency, "GC_PAUSES", [])
+    callbacks, enabled = list(gc.callbacks), gc.isenabled()
+    gc.disable()
+    try:
+        latency.watch_garbage_collections()
+        walls = []
+        for generation in (0, 1):
+            t = time.perf_counter()
+            gc.collect(generation)
+            walls.append(time.perf_counter() - t)
+            time.sleep(0.05)
+    finally:
+        gc.callbacks[:] = callbacks
+        if enabled:
+            gc.enable()
+    assert [g for _, g in latency.GC_PAUSES] == [0, 1]
+    assert all(0 < pause <= wall for (pause, _), wall in zip(latency.GC_PAUSES, walls))
+
+
+def test_the_report_counts_the_timed_runs_collections_only(tiny_model, monkeypatch, capsys):
+    """The collections latency.py reports for a policy are those of its timed run: not the engine's own at
+    start-up (it collects before freezing what it built), the warm-up's or an earlier policy's. With automatic
+    collections off, one collection of generation 1 is made inside each timed run, and it is the one reported."""
+    knobs = pytest.importorskip("triton.knobs")
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)  # main() hooks Triton's compiler
+    monkeypatch.setattr(latency, "TRITON_COMPILES", [])
+    monkeypatch.setattr(latency, "GC_PAUSES", [])
+    drive = latency.drive
+
+    async def drive_and_collect(llm, requests, rate, seed):
+        results = await drive(llm, requests, rate, seed)
+        if seed == 0:  # the timed run (the warm-up's seed is 1)
+            gc.collect(1)
+        return results
+    monkeypatch.setattr(latency, "drive", drive_and_collect)
+    monkeypatch.setattr(sys, "argv", ["latency.py", "--model", tiny_model, "--num-requests", "2",
+                                      "--max-output-len", "4", "--rate", "100"])
+    callbacks, enabled = list(gc.callbacks), gc.isenabled()
+    gc.disable()
+    try:
+        latency.main()
+    finally:
+        gc.callbacks[:] = callbacks
+        if enabled:
+            gc.enable()
+    reports = [line for line in capsys.readouterr().out.splitlines() if "garbage collections" in line]
+    assert [line.split(":")[0] for line in reports] == ["mixed", "prefill-first"]
+    assert all(", 1 garbage collections, the longest " in line and "(generation 1);" in line for line in reports)

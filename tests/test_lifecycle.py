@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -377,6 +378,27 @@ def test_what_an_engine_builds_is_frozen_out_of_garbage_collections_until_close(
         assert not any(obj is model for obj in gc.get_objects())  # in the permanent generation
         assert engine.generate([PROMPT], GREEDY)[0]["token_ids"]
     assert gc.get_freeze_count() == 0
+
+
+def test_an_engine_collects_before_it_freezes(tiny_model):
+    """What is garbage when the engine freezes (cycles left by loading, or by whatever ran before it) is collected
+    first, not frozen with the engine and kept for its whole life: with automatic collections off, so that a cycle
+    dropped just before the engine is built is still waiting for a collection, it is gone once the engine is built."""
+    class Cycle:
+        pass
+    cycle = Cycle()
+    cycle.self = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    gc.unfreeze()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with LLM(tiny_model):
+            assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(llm):

@@ -222,6 +222,17 @@ def test_split_decodes_builds_a_steps_parts_once(monkeypatch):
         assert rest.cu_seqlens_q.tolist() == meta.cu_seqlens_q[n - 1:].tolist()
 
 
+def test_split_metadata_without_host_lists():
+    """The host copies of query and context lengths are for backends that loop over sequences, and the Triton
+    kernels never read them: metadata built without them splits all the same, and its rest has none either."""
+    _, _, _, _, meta = make_case([1, 1, 9, 4], [33, 8, 20, 4], 4, 2, 64, 16, False, seed=8)
+    meta = dataclasses.replace(meta, num_decodes=2, query_lens_host=None, context_lens_host=None)
+    tables, lens, rest = meta.decodes_and_rest()
+    assert torch.equal(tables, meta.block_tables[:2]) and lens.tolist() == [33, 8]
+    assert rest.cu_seqlens_q.tolist() == [2, 11, 15] and rest.context_lens.tolist() == [20, 4]
+    assert rest.query_lens_host is None and rest.context_lens_host is None
+
+
 def test_layers_share_the_kernel_arguments():
     """The arguments both paths share are built once per shape, dtype and scales, not in every layer's attention;
     other scales (an FP8 cache's) get their own."""

@@ -18,6 +18,10 @@ def reference(x, w, b):
     return x.double() @ w.double().T + (b.double() if b is not None else 0)
 
 
+def rel_error(out, expected):
+    return ((out.double().cpu() - expected).norm() / expected.norm()).item()
+
+
 @pytest.mark.parametrize("m,n,k,parts,bias", [
     (1, 40, 300, 1, False), (3, 64, 512, 2, True), (16, 33, 700, 3, False), (17, 96, 256, 1, True),
     (32, 50, 1000, 4, True), (5, 70, 1000, None, False)])
@@ -39,6 +43,7 @@ def test_parts_fill_the_gpu():
     assert triton_skinny.skinny_parts(6144, 1024, 32, 256, 132) == 1  # 192 blocks of 32 columns fill 132 SMs
     assert triton_skinny.skinny_parts(1024, 3072, 32, 256, 132) == 5  # 32 blocks: five parts, 160 programs
     assert triton_skinny.skinny_parts(1024, 256, 32, 256, 132) == 1  # K too short to cut
+    assert triton_skinny.skinny_parts(1024, 200, 32, 256, 132) == 1  # K shorter than one block_k: one part, not 0
 
 
 def test_linear_layers_take_it(monkeypatch):
@@ -53,6 +58,66 @@ def test_linear_layers_take_it(monkeypatch):
     linear.linear(torch.randn(triton_skinny.MAX_ROWS + 1, 300, device=DEVICE), w, None)  # more rows: F.linear
     linear.linear(x, torch.randn(300, 300, device=DEVICE), None)  # as many outputs as inputs (qkv, gate/up)
     assert calls == [(4, 300)]
+
+
+@pytest.fixture
+def skinny_calls(monkeypatch):
+    """The skinny path on, on this device, with the shapes of x that reach skinny_linear."""
+    monkeypatch.setattr(triton_skinny, "ENABLED", True)
+    monkeypatch.setattr(triton_skinny, "DEVICE_TYPE", DEVICE.type)
+    calls = []
+    skinny = triton_skinny.skinny_linear
+    monkeypatch.setattr(triton_skinny, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape) or skinny(*a, **kw))
+    return calls
+
+
+def test_linear_takes_it_up_to_max_rows_with_the_bias(skinny_calls):
+    """A decode step of MAX_ROWS rows is still skinny, and the bias is added there as on F.linear's path; x whose
+    columns are not contiguous (the kernel reads them as if they were) stays on F.linear, and is right."""
+    from nanovllm.layers import linear
+    gen = torch.Generator().manual_seed(4)
+    w, b = torch.randn(40, 300, generator=gen), torch.randn(40, generator=gen)
+    x = torch.randn(triton_skinny.MAX_ROWS, 300, generator=gen)
+    assert rel_error(linear.linear(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE)), reference(x, w, b)) < 1e-5
+    columns = torch.randn(300, 4, generator=gen).t()  # [4, 300] with a column stride of 4
+    assert rel_error(linear.linear(columns.to(DEVICE), w.to(DEVICE), None), reference(columns, w, None)) < 1e-5
+    assert skinny_calls == [(triton_skinny.MAX_ROWS, 300)]
+
+
+def test_row_parallel_layers_take_it(skinny_calls):
+    """o_proj and down are RowParallelLinear: their forward goes through `linear`, so a decode step's few rows
+    take the skinny matmul, bias included."""
+    from nanovllm.layers.linear import RowParallelLinear
+    gen = torch.Generator().manual_seed(5)
+    layer = RowParallelLinear(300, 40, bias=True)
+    layer.weight.data.copy_(torch.randn(40, 300, generator=gen))
+    layer.bias.data.copy_(torch.randn(40, generator=gen))
+    x = torch.randn(3, 300, generator=gen)
+    expected = reference(x, layer.weight.data, layer.bias.data)
+    assert rel_error(layer.to(DEVICE)(x.to(DEVICE)), expected) < 1e-5
+    assert skinny_calls == [(3, 300)]
+
+
+def test_skinny_reads_rows_at_their_strides():
+    """x and w may be views whose rows lie further apart than K (a slice of a wider tensor; `fits` asks only that
+    their columns be contiguous): each row is read at its own stride, in one part of K and in several."""
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = 5, 40, 300
+    x = torch.randn(m, k + 17, generator=gen)[:, 9:9 + k]
+    w = torch.randn(n, k + 44, generator=gen)[:, 30:30 + k]
+    expected = reference(x, w, None)
+    for parts in (1, 3):
+        out = triton_skinny.skinny_linear(x.to(DEVICE), w.to(DEVICE), parts=parts, config=TILE)
+        assert rel_error(out, expected) < 1e-5, parts
+
+
+def test_counters_grow_with_the_blocks():
+    """A launch with more blocks of columns than the counters held so far gets as many zeroed counters as it has
+    blocks: a smaller one would let its last programs count in memory that is not theirs."""
+    blocks = triton_skinny._counter(DEVICE, 8).numel() + 100
+    counter = triton_skinny._counter(DEVICE, blocks)
+    assert counter.numel() >= blocks and not counter.any()
+    assert triton_skinny._counter(DEVICE, 8) is counter  # kept for the next launches
 
 
 @pytest.mark.gpu
