@@ -46,20 +46,6 @@ def test_parts_fill_the_gpu():
     assert triton_skinny.skinny_parts(1024, 200, 32, 256, 132) == 1  # K shorter than one block_k: one part, not 0
 
 
-def test_linear_layers_take_it(monkeypatch):
-    from nanovllm.layers import linear
-    monkeypatch.setattr(triton_skinny, "ENABLED", True)
-    monkeypatch.setattr(triton_skinny, "DEVICE_TYPE", DEVICE.type)
-    calls = []
-    skinny = triton_skinny.skinny_linear
-    monkeypatch.setattr(triton_skinny, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape) or skinny(*a, **kw))
-    x, w = torch.randn(4, 300, device=DEVICE), torch.randn(40, 300, device=DEVICE)
-    assert torch.allclose(linear.linear(x, w, None), x @ w.T, atol=1e-4)
-    linear.linear(torch.randn(triton_skinny.MAX_ROWS + 1, 300, device=DEVICE), w, None)  # more rows: F.linear
-    linear.linear(x, torch.randn(300, 300, device=DEVICE), None)  # as many outputs as inputs (qkv, gate/up)
-    assert calls == [(4, 300)]
-
-
 @pytest.fixture
 def skinny_calls(monkeypatch):
     """The skinny path on, on this device, with the shapes of x that reach skinny_linear."""
@@ -69,6 +55,15 @@ def skinny_calls(monkeypatch):
     skinny = triton_skinny.skinny_linear
     monkeypatch.setattr(triton_skinny, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape) or skinny(*a, **kw))
     return calls
+
+
+def test_linear_layers_take_it(skinny_calls):
+    from nanovllm.layers import linear
+    x, w = torch.randn(4, 300, device=DEVICE), torch.randn(40, 300, device=DEVICE)
+    assert torch.allclose(linear.linear(x, w, None), x @ w.T, atol=1e-4)
+    linear.linear(torch.randn(triton_skinny.MAX_ROWS + 1, 300, device=DEVICE), w, None)  # more rows: F.linear
+    linear.linear(x, torch.randn(300, 300, device=DEVICE), None)  # as many outputs as inputs (qkv, gate/up)
+    assert skinny_calls == [(4, 300)]
 
 
 def test_linear_takes_it_up_to_max_rows_with_the_bias(skinny_calls):
