@@ -10,12 +10,10 @@ KV (slot -1), read one slot of block 0 and sample greedily. A graph records, on 
 The host fills every static input (ids, positions, slots, pending rows, context lengths, temperatures, block
 tables) with one host-to-device copy: they are views of one device buffer, laid out as its pinned mirror.
 """
-import math
-
 import numpy as np
 import torch
 
-from nanovllm.engine.staging import TORCH_DTYPES, Staging, aligned
+from nanovllm.engine.staging import Staging, StaticInputs
 from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.layers.attention import AttentionMetadata
 from nanovllm.layers.triton_sampler import sample_plain
@@ -39,13 +37,9 @@ class DecodeGraphs:
         self.max_blocks = max_model_len // block_size + 1
         self.max_model_len = max_model_len
         self.batch_sizes = sorted({*[b for b in (1, 2, 4, 8) if b < max_bs], *range(16, max_bs, 16), max_bs})
-        self.layout, start = {}, 0  # name: (byte offset, dtype, shape)
-        for name, dtype, shape in (*((name, dtype, (max_bs,)) for name, dtype, _ in FIELDS),
-                                   ("block_tables", np.int32, (max_bs, self.max_blocks))):
-            self.layout[name] = (start, np.dtype(dtype), shape)
-            start = aligned(start + np.dtype(dtype).itemsize * math.prod(shape))
-        self.inputs = torch.zeros(start, dtype=torch.uint8, device=device)
-        self.vars = self._views(self.inputs)
+        self.inputs = StaticInputs([*((name, dtype, (max_bs,)) for name, dtype, _ in FIELDS),
+                                    ("block_tables", np.int32, (max_bs, self.max_blocks))], device)
+        self.vars = self.inputs.vars
         for name, _, pad in FIELDS:
             self.vars[name].fill_(pad)  # capture with valid padding rows: a one-token context in block 0
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
@@ -73,13 +67,6 @@ class DecodeGraphs:
     def samples(self) -> bool:
         """Replays of rank 0 yield the plain sampler's tokens."""
         return self.rng_state is not None and self.logits is not None
-
-    def _views(self, buffer: torch.Tensor | np.ndarray) -> dict:
-        """The static inputs as views of uint8 `buffer`: the device buffer, or a host mirror of its layout."""
-        on_device = isinstance(buffer, torch.Tensor)
-        return {name: buffer[start:start + dtype.itemsize * math.prod(shape)]
-                .view(TORCH_DTYPES[dtype] if on_device else dtype).reshape(shape)
-                for name, (start, dtype, shape) in self.layout.items()}
 
     def _forward(self, bs: int):
         g = self.vars
@@ -112,8 +99,7 @@ class DecodeGraphs:
         plain batch) are given and the graph samples). `last_sampled`: the last step's samples."""
         n = inputs.num_seqs
         bs = next(b for b in self.batch_sizes if b >= n)
-        nbytes = self.layout["block_tables"][0] + bs * self.max_blocks * 4  # the rows that this graph reads
-        host = self._views(staging.host(len(self.inputs)))
+        host = self.inputs.host(staging)
         rows = dict(input_ids=inputs.input_ids, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                     pending_rows=inputs.pending_rows, context_lens=inputs.context_lens,
                     temperatures=0 if temperatures is None else temperatures)
@@ -122,7 +108,7 @@ class DecodeGraphs:
             host[name][n:bs] = pad
         host["block_tables"][:bs] = 0  # no stale entries from an earlier, longer batch
         host["block_tables"][:n, :inputs.block_tables.shape[1]] = inputs.block_tables
-        staging.send(nbytes, self.inputs[:nbytes])
+        self.inputs.send(staging, bs)  # of the block tables, the rows that this graph reads
         if (inputs.pending_rows >= 0).any() and last_sampled.data_ptr() != self.tokens.data_ptr():
             self.tokens[:len(last_sampled)] = last_sampled  # the last step sampled outside this graph
         self.graphs[bs].replay()

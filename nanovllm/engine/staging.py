@@ -13,6 +13,8 @@ Every step takes exactly one turn, so the event waited on is always two steps ol
 On CPU the arrays are used where they are (`torch.from_numpy`): no copy at all, unless `pack` asks for the
 CUDA path's packing (in plain host memory), which the tests use to check it without a GPU.
 """
+import math
+
 import numpy as np
 import torch
 
@@ -68,3 +70,35 @@ class Staging:
         self.send(offsets[-1], packed)
         return [packed[start:start + a.nbytes].view(TORCH_DTYPES[a.dtype]).view(a.shape)
                 for a, start in zip(arrays, offsets)]
+
+
+class StaticInputs:
+    """A CUDA graph's static inputs: named arrays that are views of one uint8 device buffer, which a step fills
+    from a host mirror of its layout (a pinned staging buffer) in one copy."""
+
+    def __init__(self, fields: list[tuple[str, type, tuple[int, ...]]], device: torch.device):
+        """fields: (name, numpy dtype, shape); put the one whose leading rows a step may send alone last."""
+        self.layout, start = {}, 0  # name: (byte offset, dtype, shape)
+        for name, dtype, shape in fields:
+            self.layout[name] = (start, np.dtype(dtype), shape)
+            start = aligned(start + np.dtype(dtype).itemsize * math.prod(shape))
+        self.buffer = torch.zeros(start, dtype=torch.uint8, device=device)
+        self.vars = self.views(self.buffer)
+
+    def views(self, buffer: torch.Tensor | np.ndarray) -> dict:
+        """The fields as views of uint8 `buffer`: the device buffer, or a host mirror of its layout."""
+        on_device = isinstance(buffer, torch.Tensor)
+        return {name: buffer[start:start + dtype.itemsize * math.prod(shape)]
+                .view(TORCH_DTYPES[dtype] if on_device else dtype).reshape(shape)
+                for name, (start, dtype, shape) in self.layout.items()}
+
+    def host(self, staging: Staging) -> dict:
+        """Views of this turn's staging buffer, to fill before `send`."""
+        return self.views(staging.host(len(self.buffer)))
+
+    def send(self, staging: Staging, last_rows: int | None = None):
+        """Copy the staged fields to the device; of the last field, only its first `last_rows` rows (None: all)."""
+        start, dtype, shape = self.layout[next(reversed(self.layout))]
+        rows = shape[0] if last_rows is None else last_rows
+        nbytes = start + rows * dtype.itemsize * math.prod(shape[1:])
+        staging.send(nbytes, self.buffer[:nbytes])
