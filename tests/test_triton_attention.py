@@ -13,6 +13,7 @@ import dataclasses
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,6 +140,33 @@ def test_varlen_matches_reference(name, num_heads, num_kv_heads, head_dim, block
     scales = (K_SCALE, V_SCALE) if kv_fp8 else (1.0, 1.0)
     out = triton_attention.varlen_attention(q, k, v, *caches, meta, q.size(-1) ** -0.5, *scales)
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("name,num_heads,num_kv_heads,head_dim,block_size,kv_fp8", VARLEN_CASES[:3])
+def test_varlen_through_a_tile_map_matches_reference(name, num_heads, num_kv_heads, head_dim, block_size, kv_fp8):
+    """As a CUDA graph replays it (`varlen_graphs.py`): a grid of tile-map rows, the step's (sequence, query tile)
+    pairs first and empty rows after, host integers of another step (max_seqlen_q), padding token rows past the
+    step's and padding sequences of no tokens; the real rows match the reference and no other row is written."""
+    dtype = DTYPES[-1]
+    query_lens, contexts = CASES[name]
+    q, k, v, caches, meta = make_case(query_lens, contexts, num_heads, num_kv_heads, head_dim, block_size, kv_fp8,
+                                      seed=num_heads + 1)
+    expected = reference(q, k, v, caches, meta, kv_fp8)
+    q, k, v, caches = to_device(q, k, v, caches, dtype)
+    n = q.size(0)
+    q = torch.cat([q, torch.randn(5, *q.shape[1:], dtype=dtype, device=DEVICE)])  # padding tokens
+    cu = torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(2)])  # padding sequences
+    query_tile = triton_attention.varlen_query_tile(num_heads // num_kv_heads)
+    rows = triton_attention.max_varlen_tiles(n + 5, len(query_lens) + 2, query_tile)
+    tile_map = torch.from_numpy(triton_attention.varlen_tile_map(np.array(query_lens), query_tile, rows))
+    meta = dataclasses.replace(meta, cu_seqlens_q=cu, max_seqlen_q=0, tile_map=tile_map.to(DEVICE),
+                               block_tables=torch.cat([meta.block_tables, meta.block_tables[:2]]),
+                               context_lens=torch.cat([meta.context_lens, meta.context_lens[:2]]))
+    out = torch.full_like(q, 7.0)
+    scales = (K_SCALE, V_SCALE) if kv_fp8 else (1.0, 1.0)
+    triton_attention.varlen_attention(q, k, v, *caches, meta, head_dim ** -0.5, *scales, out=out)
+    assert_close(out[:n], expected, dtype)
+    assert (out[n:] == 7.0).all()
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
@@ -346,17 +374,19 @@ def test_engine_on_triton_kernels_matches_hf(tiny_model, hf_model, monkeypatch, 
     assert splits and any(splits) == (split_decodes == 1)  # mixed steps with decodes ran, split or not
 
 
-def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = False) -> tuple:
+def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = False, tile_map: bool = False
+                   ) -> tuple:
     """`_attention_kernel` as `decode_attention` or `varlen_attention` launches it for Qwen3-0.6B in bf16 (16 query
     heads over 8 KV heads, head_dim 128, blocks of 256): a compile case for `compile_for_sm90`."""
     tl = triton_attention.tl
     signature = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", out_ptr="*fp32" if split else "*bf16",
                      lse_ptr="*fp32" if split else "*bf16",  # unsplit, the output stands in for the unused lse
-                     block_tables_ptr="*i32", context_lens_ptr="*i32", cu_seqlens_q_ptr="*i32", q_token_stride="i32",
+                     block_tables_ptr="*i32", context_lens_ptr="*i32", cu_seqlens_q_ptr="*i32",
+                     tile_map_ptr="*i32", q_token_stride="i32",
                      q_head_stride="i32", kv_token_stride="i32", kv_head_stride="i32", block_table_stride="i32",
                      qk_scale="fp32", v_scale="fp32", min_split_tokens="i32")
     constexprs = dict(NUM_KV_HEADS=8, GROUP=2, GROUP_PAD=2, HEAD_DIM=128, DIM_PAD=128, DECODE=decode, PAGED=paged,
-                      SPLIT=split, COMPUTE_DTYPE=tl.float16 if cache == "fp8e4nv" else tl.bfloat16,
+                      SPLIT=split, TILE_MAP=tile_map, COMPUTE_DTYPE=tl.float16 if cache == "fp8e4nv" else tl.bfloat16,
                       DOT_PRECISION="tf32")
     if split:
         signature["num_splits"] = "i32"
@@ -375,10 +405,11 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
 def test_kernels_compile_for_sm90():
     """The CPU tests run the kernels through Triton's interpreter, which does not type-check them as the compiler
     does (tests/test_triton_rope_store.py had a kernel that passed them and failed to compile on the H200).
-    Attention: decode split over a bf16 cache and unsplit over an FP8 one, prefill over an FP8 cache and a
-    warm-up's over its own keys, and the merge of a batch of one's 64 splits; the KV store into both caches."""
+    Attention: decode split over a bf16 cache and unsplit over an FP8 one, prefill over an FP8 cache, a
+    warm-up's over its own keys and a graph's through a tile map, and the merge of a batch of one's 64 splits; the KV store into both caches."""
     cases = [attention_case("bf16", decode=True, split=True), attention_case("fp8e4nv", decode=True),
-             attention_case("fp8e4nv", decode=False), attention_case("bf16", decode=False, paged=False)]
+             attention_case("fp8e4nv", decode=False), attention_case("bf16", decode=False, paged=False),
+             attention_case("bf16", decode=False, tile_map=True)]
     splits = triton_attention.decode_splits(1, 8, 132)
     cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel",
                   dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32"),

@@ -32,6 +32,9 @@ class AttentionMetadata:
     query_lens_host: list[int] | None = None  # host copies for backends that loop over sequences
     context_lens_host: list[int] | None = None
     num_decodes: int = 0  # leading sequences of one query token (the scheduler puts decodes first)
+    # [programs, 2] int32 (sequence, query tile) of each program of a varlen step captured in a CUDA graph, whose
+    # grid cannot follow the step's shape (`triton_attention.varlen_tile_map`); None: the grid follows the step
+    tile_map: torch.Tensor | None = None
     _decodes_and_rest: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def decodes_and_rest(self) -> tuple[torch.Tensor, torch.Tensor, "AttentionMetadata"]:
@@ -54,6 +57,9 @@ class AttentionBackend(ABC):
     supports_cuda_graphs = False  # True when forward reads only tensors (no host lists) and can be captured
     supports_fp8_kv = False  # True when it can store into and read from an FP8 cache
     fuses_rope_store = False  # True when its store is Triton's, which the decoder can fuse with the norms and rope
+    # the steps of up to this many tokens (0: none) whose attention runs on the Triton varlen kernel, which reads
+    # only tensors given a tile map: a CUDA graph can capture such a whole step (`varlen_graphs.py`)
+    varlen_graph_tokens = 0
 
     def check(self, block_size: int, head_dim: int, kv_cache_dtype: torch.dtype):
         """Raise ValueError when this backend cannot run with these settings."""

@@ -109,7 +109,7 @@ class FlashAttnBackend(AttentionBackend):
             self.name, self._triton = "triton-decode", triton_attention
             if triton_varlen_tokens is None:
                 triton_varlen_tokens = int(os.environ.get("NANOVLLM_TRITON_VARLEN_TOKENS", TRITON_VARLEN_TOKENS))
-            self.triton_varlen_tokens = triton_varlen_tokens
+            self.triton_varlen_tokens = self.varlen_graph_tokens = triton_varlen_tokens
 
     def check(self, block_size: int, head_dim: int, kv_cache_dtype: torch.dtype):
         super().check(block_size, head_dim, kv_cache_dtype)

@@ -26,6 +26,7 @@ path, built for tiles of queries, does not; its prompts take the varlen path.
 import functools
 import os
 
+import numpy as np
 import torch
 
 from nanovllm.layers import triton_kvstore
@@ -53,16 +54,21 @@ if triton is not None:
     @triton.jit(do_not_specialize=["block_table_stride"],
                 do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"])
     def _attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr, tile_map_ptr,
         q_token_stride, q_head_stride, kv_token_stride, kv_head_stride, block_table_stride,
         qk_scale, v_scale, num_splits, min_split_tokens,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_TILE: tl.constexpr,
         ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, KV_TILE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
-        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        TILE_MAP: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         work, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         q_tile, split = work // num_splits, work % num_splits
+        if TILE_MAP:  # varlen in a CUDA graph: program `work` takes the (sequence, query tile) of the map's row
+            seq = tl.load(tile_map_ptr + 2 * work)
+            q_tile = tl.load(tile_map_ptr + 2 * work + 1)
+            if seq < 0:  # a row past the step's tiles
+                return
         if DECODE:
             q_begin, query_len = seq, 1
         else:
@@ -218,10 +224,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if split else out
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device) if split else out
     _attention_kernel[(num_splits, batch, kv_heads)](
-        q, k_cache, v_cache, partial, lse, block_tables, context_lens, context_lens,
+        q, k_cache, v_cache, partial, lse, block_tables, context_lens, context_lens, context_lens,
         q.stride(0), q.stride(1), kv_heads * head_dim, head_dim, block_tables.stride(0),
         num_splits=num_splits, min_split_tokens=min_split_tokens, QUERY_TILE=1, ROWS=rows, KV_TILE=tile,
-        BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, num_warps=warps, num_stages=stages, **args)
+        BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, TILE_MAP=False, num_warps=warps,
+        num_stages=stages, **args)
     if split:
         _merge_splits_kernel[(batch, num_heads)](
             partial, lse, out, num_splits, HEAD_DIM=head_dim, DIM_PAD=args["DIM_PAD"],
@@ -254,16 +261,52 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         token_stride, head_stride = keys.stride(0), keys.stride(1)
     args = _common_args(num_heads // kv_heads, kv_heads, head_dim, scale, k_scale, v_scale,
                         _compute_dtype(q.dtype, keys.dtype))
-    rows = max(QUERY_ROWS, args["GROUP_PAD"])
-    query_tile = rows // args["GROUP_PAD"]
+    query_tile = varlen_query_tile(num_heads // kv_heads)
+    rows = query_tile * args["GROUP_PAD"]
     tile = 64 if head_dim <= 128 else 32
-    grid = (triton.cdiv(meta.max_seqlen_q, query_tile), meta.cu_seqlens_q.numel() - 1, kv_heads)
+    tile_map = meta.tile_map
+    if tile_map is None:
+        grid = (triton.cdiv(meta.max_seqlen_q, query_tile), meta.cu_seqlens_q.numel() - 1, kv_heads)
+    else:
+        assert tile_map.is_contiguous() and tile_map.shape[1] == 2
+        grid = (tile_map.size(0), 1, kv_heads)
     _attention_kernel[grid](
         q, keys, values, out, out, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
-        q.stride(0), q.stride(1), token_stride, head_stride, meta.block_tables.stride(0),
+        meta.cu_seqlens_q if tile_map is None else tile_map, q.stride(0), q.stride(1), token_stride, head_stride,
+        meta.block_tables.stride(0),
         num_splits=1, min_split_tokens=0, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile, BLOCK_SIZE=block_size,
-        DECODE=False, PAGED=paged, SPLIT=False, num_warps=4, num_stages=2, **args)
+        DECODE=False, PAGED=paged, SPLIT=False, TILE_MAP=tile_map is not None, num_warps=4, num_stages=2, **args)
     return out
+
+
+def varlen_query_tile(group: int) -> int:
+    """Query tokens per program of the varlen path, for `group` query heads per KV head (padded to a power of 2)."""
+    group_pad = 1 << (group - 1).bit_length()
+    return max(QUERY_ROWS, group_pad) // group_pad
+
+
+def varlen_tile_map(query_lens: np.ndarray, query_tile: int, rows: int) -> np.ndarray:
+    """int32 [rows, 2]: the (sequence, query tile) that each program of a graph-captured varlen step takes, the
+    step's tiles first and (-1, -1) after them; `rows` is at least `max_varlen_tiles` of the step's shape."""
+    tiles = -(-query_lens // query_tile)
+    seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), tiles)
+    assert len(seq) <= rows, (len(seq), rows)
+    out = np.full((rows, 2), -1, dtype=np.int32)
+    out[:len(seq), 0] = seq
+    out[:len(seq), 1] = np.arange(len(seq)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    return out
+
+
+def max_varlen_tiles(num_tokens: int, num_seqs: int, query_tile: int) -> int:
+    """The most query tiles that num_seqs sequences of num_tokens tokens in all can have: each sequence's last
+    tile may be partial."""
+    return num_tokens // query_tile + min(num_seqs, num_tokens)
+
+
+def splits_decodes(num_decodes: int, num_seqs: int) -> bool:
+    """Whether a step of num_seqs sequences that leads with num_decodes decodes attends them with the decode kernel
+    (`split_decodes`): when they are many, and a prompt is beside them."""
+    return bool(SPLIT_DECODES) and SPLIT_DECODES <= num_decodes < num_seqs
 
 
 def split_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -273,7 +316,7 @@ def split_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     metadata of its other sequences (their cu_seqlens_q still index q's rows), when there are at least
     SPLIT_DECODES of them and a prompt beside them; else (None, meta)."""
     n = meta.num_decodes
-    if not SPLIT_DECODES or n < SPLIT_DECODES or n + 1 >= meta.cu_seqlens_q.numel() or not k_cache.numel():
+    if not splits_decodes(n, meta.cu_seqlens_q.numel() - 1) or not k_cache.numel():
         return None, meta
     block_tables, context_lens, rest = meta.decodes_and_rest()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -298,6 +341,7 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graphs = True  # decode reads only device tensors and integers fixed per batch size
     supports_fp8_kv = True
     fuses_rope_store = True
+    varlen_graph_tokens = 1 << 30
 
     def __init__(self):
         if not triton_available():
