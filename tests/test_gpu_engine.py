@@ -95,6 +95,7 @@ def test_piecewise_graphs_match_hf_bf16(qwen3_small, monkeypatch, fused):
     with the fused q/k norm, rope and KV store in the pieces and in the decode graphs, or not."""
     from transformers import AutoModelForCausalLM
     monkeypatch.setenv("NANOVLLM_PIECEWISE_GRAPHS", "1")
+    monkeypatch.setenv("NANOVLLM_VARLEN_GRAPHS", "0")  # which would take these steps
     monkeypatch.setenv("NANOVLLM_FUSED_ROPE_STORE", fused)
     hf = AutoModelForCausalLM.from_pretrained(qwen3_small, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
     batch = prompts(12, seed=4, lo=20, hi=700)
@@ -106,6 +107,30 @@ def test_piecewise_graphs_match_hf_bf16(qwen3_small, monkeypatch, fused):
         piecewise.run = lambda input_ids, *args: steps.append(len(input_ids)) or run(input_ids, *args)
         outputs = llm.generate(batch, greedy(24), use_tqdm=False)
     assert steps and any(n not in piecewise.sizes for n in steps)  # padded steps among them
+    for prompt, out in zip(batch, outputs):
+        assert_greedy_matches_hf(OnCuda(hf), prompt, out["token_ids"], atol=0.15)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_varlen_graphs_match_hf_bf16(qwen3_small, backend):
+    """Prompts of 20-700 tokens, 8 sequences at a time: prefills, chunks and mixed steps of up to 300 tokens
+    replay one whole graph each (the Triton varlen kernel through a tile map), padded to their size."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_small, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    batch = prompts(12, seed=5, lo=20, hi=700)
+    with LLM(qwen3_small, max_model_len=1024, max_num_batched_tokens=300, max_num_seqs=8,
+             attention_backend=backend) as llm:
+        graphs = llm.model_runner.varlen_graphs
+        assert graphs is not None and graphs.sizes[-1] == 300
+        steps, run = [], graphs.run
+
+        def recorded_run(inputs, *args):
+            steps.append((len(inputs.input_ids), inputs.num_seqs))
+            return run(inputs, *args)
+        graphs.run = recorded_run
+        outputs = llm.generate(batch, greedy(24), use_tqdm=False)
+    assert any(n not in graphs.sizes for n, _ in steps)  # padded steps
+    assert any(seqs > 1 and n < 300 for n, seqs in steps)  # and mixed ones
     for prompt, out in zip(batch, outputs):
         assert_greedy_matches_hf(OnCuda(hf), prompt, out["token_ids"], atol=0.15)
 

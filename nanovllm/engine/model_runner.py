@@ -34,6 +34,7 @@ from nanovllm.engine.staging import Staging
 from nanovllm.engine.step_inputs import StepInputs, step_inputs
 from nanovllm.engine.step_output import StepOutput
 from nanovllm.engine.tp_channel import Channel
+from nanovllm.engine.varlen_graphs import VarlenGraphs
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata, get_backend, resolve_backend_name
 from nanovllm.layers.layernorm import RMSNorm
@@ -115,6 +116,7 @@ class ModelRunner:
             self.compile_small_ops()
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        self.varlen_graphs: VarlenGraphs | None = None
         self.channel: Channel | None = None  # none yet while each rank warms up on its own (CUDA's cache sizing)
         self.allocate_kv_cache()
         if config.device == "cuda":
@@ -131,6 +133,14 @@ class ModelRunner:
                 and os.environ.get("NANOVLLM_PIECEWISE_GRAPHS", "1") != "0"):
             self.piecewise = PiecewiseGraphs(self.model, min(MAX_TOKENS, config.max_num_batched_tokens),
                                              self.device)
+        # and the small ones, where attention is Triton's varlen kernel, replay one graph each (on an H200 a step of a
+        # 16-token prompt beside 8 decodes took 5.4 ms through the pieces); NANOVLLM_VARLEN_GRAPHS=0 turns them off
+        if (self.piecewise is not None and self.backend.varlen_graph_tokens
+                and os.environ.get("NANOVLLM_VARLEN_GRAPHS", "1") != "0"):
+            self.varlen_graphs = VarlenGraphs(
+                self.model, min(MAX_TOKENS, config.max_num_batched_tokens, self.backend.varlen_graph_tokens),
+                config.max_num_seqs, config.max_model_len, self.block_size, self.device,
+                self.graphs.tokens if self.graphs is not None else None)
 
         self.channel = Channel(shm_name, rank, semaphores) if self.world_size > 1 else None
         # what exists now (weights, graphs, compiled code) lives as long as the engine: frozen out of the garbage
@@ -180,13 +190,13 @@ class ModelRunner:
     def _free_device(self):
         # the graphs go first: NCCL does not destroy a communicator while a graph that captured its collectives
         # lives (destroy_process_group then hangs: pytorch issue 115388; seen on two H200s at bench.py's exit)
-        for graphs in (self.graphs, self.piecewise):
+        for graphs in (self.graphs, self.piecewise, self.varlen_graphs):
             if graphs is not None:
                 graphs.release()
         # give the GPU memory back now: compiled forwards make reference cycles that only a gc would break
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache = self.graphs = self.piecewise = None
+        self.kv_cache = self.graphs = self.piecewise = self.varlen_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -206,6 +216,7 @@ class ModelRunner:
         channel = self.channel
         info = dict(rank=self.rank, device=str(self.device), graphs=self.graphs.batch_sizes if self.graphs else [],
                     piecewise_graphs=self.piecewise.sizes if self.piecewise else [],
+                    varlen_graphs=self.varlen_graphs.sizes if self.varlen_graphs else [],
                     channel_calls=channel.num_calls if channel else 0,
                     channel_seconds=channel.seconds if channel else 0.0)
         if self.world_size == 1:
@@ -367,10 +378,14 @@ class ModelRunner:
         if graph_step:
             logits, sampled, temperatures = self.replay(inputs, temperatures)
         else:
-            input_ids, positions, meta, logits_indices, temperatures = self.prepare(inputs, temperatures)
-            piecewise = self.piecewise is not None and self.piecewise.fits(len(input_ids))
-            hidden_states = (self.piecewise.run(input_ids, positions, meta) if piecewise else
-                             self.model(input_ids, positions, meta))
+            if self.varlen_graphs is not None and self.varlen_graphs.fits(inputs):
+                hidden_states, logits_indices, temperatures = self.varlen_graphs.run(inputs, temperatures,
+                                                                                     self.sampled, self.staging)
+            else:
+                input_ids, positions, meta, logits_indices, temperatures = self.prepare(inputs, temperatures)
+                piecewise = self.piecewise is not None and self.piecewise.fits(len(input_ids))
+                hidden_states = (self.piecewise.run(input_ids, positions, meta) if piecewise else
+                                 self.model(input_ids, positions, meta))
             logits = self.model.compute_logits(hidden_states[logits_indices]) if num_samples else None
             sampled = None
         if self.rank == 0 and num_samples:

@@ -1,0 +1,157 @@
+"""Whole-step graphs for small prefills, chunks and mixed steps (`varlen_graphs.py`).
+
+On CPU a "graph" runs its function again at replay (as in tests/test_piecewise_graphs.py), which is what a CUDA
+graph does when the function reads only its static buffers, and the Triton varlen kernel runs through the
+interpreter: so these tests check the static buffers and what fills them, the tile map, the padding, the choice
+of size and when a step falls back; tests/test_gpu_engine.py checks the capture on the GPU.
+"""
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine import varlen_graphs as varlen_graphs_module
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.staging import Staging
+from nanovllm.engine.step_inputs import step_inputs
+from nanovllm.engine.varlen_graphs import FINE_FROM, FINE_STEP, VarlenGraphs, graph_sizes
+from nanovllm.layers import triton_attention
+from nanovllm.layers.triton_attention import max_varlen_tiles, varlen_tile_map
+from tests.conftest import assert_greedy_matches_hf
+from tests.test_piecewise_graphs import Rerun
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=40), st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
+       st.integers(0, 5))
+def test_tile_map_lists_each_tile_once_within_the_bound(query_lens, query_tile, spare):
+    """Every (sequence, tile) of the step once, in order, then empty rows; `max_varlen_tiles` bounds the count for
+    any split of the tokens into that many sequences, so a graph's grid always has a row for each tile."""
+    lens = np.array(query_lens)
+    rows = max_varlen_tiles(int(lens.sum()), len(lens), query_tile) + spare
+    tile_map = varlen_tile_map(lens, query_tile, rows)
+    expected = [(seq, tile) for seq, n in enumerate(query_lens) for tile in range(-(-n // query_tile))]
+    assert tile_map.shape == (rows, 2) and tile_map.dtype == np.int32
+    assert [tuple(row) for row in tile_map[:len(expected)].tolist()] == expected
+    assert (tile_map[len(expected):] == -1).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000))
+def test_graph_sizes_cover_every_step_with_little_padding(max_tokens):
+    sizes = graph_sizes(max_tokens)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens
+    for n in range(1, max_tokens + 1, 7):
+        padding = next(size for size in sizes if size >= n) - n
+        assert padding < (FINE_STEP if n > FINE_FROM else max(8, n // 2 + 1)), (n, padding)
+
+
+def test_tile_map_refuses_too_few_rows():
+    with pytest.raises(AssertionError):
+        varlen_tile_map(np.array([5, 5]), 4, 3)  # 2 + 2 tiles
+
+
+needs_interpreter = pytest.mark.skipif(torch.cuda.is_available() or triton_attention.triton is None,
+                                       reason="CPU only, through Triton's interpreter (CUDA: test_gpu_engine.py)")
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def run_engine(tiny_model, batch, params, graphs: bool, max_tokens: int = 48, max_num_seqs: int = 3):
+    """The engine on the Triton backend (interpreted), with varlen graphs of up to max_tokens or without; returns
+    the outputs and, for each step that was not decode-only, (tokens, sequences, leading decodes, whether it
+    replayed a graph)."""
+    steps = []
+    # few sequences at a time: prompts start as others finish, beside their decodes
+    with LLM(tiny_model, kvcache_block_size=16, max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
+             num_kvcache_blocks=40) as llm:
+        runner, config = llm.model_runner, llm.config
+        backend = object.__new__(triton_attention.TritonBackend)  # its __init__ insists on CUDA
+        runner.backend = backend
+        for layer in runner.attn_layers:
+            layer.backend = backend
+        runner.staging = Staging(runner.device, pack=True)  # the CUDA path's single copy, in host memory
+        if graphs:
+            runner.varlen_graphs = VarlenGraphs(runner.model, max_tokens, config.max_num_seqs, config.max_model_len,
+                                                runner.block_size, runner.device, capture=Rerun)
+            run = runner.varlen_graphs.run
+
+            def poisoned_run(inputs, *args):
+                # what a step does not fill holds garbage: the staged bytes (the buffers are shared with other
+                # steps' copies) and the device's rows that it does not send; no real row may read any of it
+                staging = args[-1]
+                for array in staging.arrays:
+                    array[:] = np.random.randint(0, 256, len(array), dtype=np.uint8)
+                runner.varlen_graphs.inputs.vars["block_tables"].random_(0, 40)
+                runner.varlen_graphs.hidden_states.normal_(0, 3)
+                steps[-1][-1] = True
+                return run(inputs, *args)
+            runner.varlen_graphs.run = poisoned_run
+        run_step = runner.run_step
+
+        def recorded_run_step(inputs, *args):
+            steps.append([len(inputs.input_ids), inputs.num_seqs, inputs.num_leading_decodes, False])
+            return run_step(inputs, *args)
+        runner.run_step = recorded_run_step
+        outputs = llm.generate(batch, params, use_tqdm=False)
+    return outputs, [step for step in steps if step[0] > step[1]]  # not decode-only
+
+
+@needs_interpreter
+def test_varlen_graph_steps_equal_eager_steps(tiny_model, hf_model, monkeypatch):
+    """Prefills, chunks of a long prompt, prefix hits, mixed steps whose decodes read their token from the last
+    step's samples on the device (async scheduling), greedy, seeded and logprob rows: token for token the eager
+    steps' outputs, and HF's greedy choices."""
+    # 4 "SMs": decode steps of 1-3 rows x 2 KV heads split their keys in 2-8 (the interpreter is slow with more)
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)
+    batch = [list(range(3, 70))] + prompts(4, seed=4)  # the first prompt's first chunk is larger than every graph
+    batch.append(batch[0][:32] + [7, 8])  # a prefix hit of two blocks, once the first prompt is cached
+    params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True, logprobs=1 if i == 2 else None)
+              for i in range(len(batch))]
+    params[3] = SamplingParams(temperature=0.8, seed=11, max_tokens=7, ignore_eos=True)
+    expected, _ = run_engine(tiny_model, batch, params, graphs=False)
+    got, steps = run_engine(tiny_model, batch, params, graphs=True)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in expected]
+    for g, e in zip(got[2]["logprobs"], expected[2]["logprobs"], strict=True):
+        assert g.keys() == e.keys() and all(abs(g[t] - e[t]) < 1e-5 for t in g)
+    assert any(o["num_cached_tokens"] > 0 for o in got)
+    graphed = [(n, seqs, decodes) for n, seqs, decodes, graph in steps if graph]
+    assert all(graph == (n <= 48) for n, *_, graph in steps), steps  # every step that fits, and only those
+    assert any(n not in (8, 16, 24, 32, 48) for n, _, _ in graphed)  # padded steps
+    assert any(decodes > 0 for *_, decodes in graphed)  # mixed steps among them
+    assert any(n > 48 for n, *_ in steps)  # and steps larger than every graph
+    for i in (0, 1, 2, 4, 5):
+        assert_greedy_matches_hf(hf_model, batch[i], got[i]["token_ids"])
+
+
+# what VarlenGraphs reads of a model before its first replay: the heads of an attention, the embedding's shape
+MODEL = SimpleNamespace(model=SimpleNamespace(
+    layers=[SimpleNamespace(self_attn=SimpleNamespace(attn=SimpleNamespace(num_heads=4, num_kv_heads=2)))],
+    embed_tokens=SimpleNamespace(weight=torch.zeros(10, 8))))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=12), st.integers(0, 12), st.sampled_from([0, 2, 32]))
+def test_steps_the_graphs_do_not_take_run_eagerly(query_lens, max_seqs, split_decodes):
+    """A step takes a graph when its tokens fit the largest, its sequences are at most max_seqs, and the eager
+    path would not give its leading decodes to the decode kernel (`splits_decodes`)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(varlen_graphs_module, "MAX_SEQS", max_seqs)
+        patch.setattr(triton_attention, "SPLIT_DECODES", split_decodes)
+        graphs = VarlenGraphs(MODEL, 48, 16, 256, 16, torch.device("cpu"), capture=Rerun)  # Rerun captures nothing
+        seqs = []
+        for n in sorted(query_lens, key=lambda n: n > 1):  # decodes first, as the scheduler orders them
+            seq = Sequence(list(range(3, 3 + n + 2)))
+            seq.block_table = list(range(-(-seq.num_tokens // 16)))
+            seq.num_computed_tokens, seq.num_scheduled_tokens = 2, n
+            seqs.append(seq)
+        decodes = step_inputs(seqs, 16).num_leading_decodes
+        splits = split_decodes and split_decodes <= decodes < len(seqs)
+        assert graphs.fits(step_inputs(seqs, 16)) == (sum(query_lens) <= 48 and len(seqs) <= max_seqs and not splits)
