@@ -145,6 +145,11 @@ def main():
                      + ("%.1f ms (generation %d)" % (max(pauses)[0] * 1e3, max(pauses)[1]) if pauses else "-")
                      + "; slowest steps (ms, prefill tokens, decode tokens): " +
                      ", ".join(f"({s * 1e3:.0f}, {p}, {d})" for s, p, d in slowest))
+        with_prefill = [s for s, p, _ in steps if p]
+        decode_only = [s for s, p, d in steps if not p and d]
+        notes.append(f"{name}: step ms p50 / p90 / p99: " + "; ".join(
+            f"{kind} ({len(times)}) " + " / ".join(f"{percentile(times, q) * 1e3:.1f}" for q in (50, 90, 99))
+            for kind, times in (("with prefill", with_prefill), ("decode-only", decode_only)) if times))
         late = sorted(zip(results, requests), key=lambda x: -x[0][0])[:5]
         notes.append(f"{name}: slowest first tokens (ms, arrival s, prompt tokens, output tokens): " +
                      ", ".join(f"({r[0] * 1e3:.0f}, {r[2] - t:.2f}, {len(p)}, {len(r[1]) + 1})"

@@ -45,6 +45,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--rows", type=int, default=15, help="kernels listed")
+    parser.add_argument("--trace", help="a file: write a Chrome trace of the profiled steps")
     args = parser.parse_args()
 
     llm = LLM(args.model or str(default_checkpoint("qwen3-0.6b")), enforce_eager=args.enforce_eager)
@@ -71,6 +72,8 @@ def main():
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     print(device_idle(prof, args.steps))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""Where a mixed step's time goes on CUDA: `--decodes` sequences decode while one prompt of each `--prompt-lens`
+arrives; for each length, the wall time of the step that prefills it beside the decodes (async scheduling off,
+so a step's time is its own), of a decode-only step, and of the same prompt prefilled alone. Then, for the
+longest prompt, the GPU's busy time per mixed step (torch.profiler) and the host functions that took longest
+(cProfile): a step whose wall time is far above its busy time is bound by the host.
+
+    python benchmarks/profile_mixed.py [--model PATH] [--decodes 8] [--context 500] [--prompt-lens 16 128 512 1024]
+"""
+import argparse
+import cProfile
+import pstats
+import random
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import default_checkpoint
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_step(llm: LLM) -> float:
+    sync()
+    start = time.perf_counter()
+    llm.step()
+    sync()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    parser.add_argument("--decodes", type=int, default=8)
+    parser.add_argument("--context", type=int, default=500)
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[16, 128, 512, 1024])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--trace", help="a folder: write a Chrome trace of three mixed steps per prompt length")
+    args = parser.parse_args()
+    rng = random.Random(0)
+
+    start = time.perf_counter()
+    llm = LLM(args.model or str(default_checkpoint("qwen3-0.6b" if torch.cuda.is_available() else "tiny")),
+              async_scheduling=False)
+    print(f"engine ready in {time.perf_counter() - start:.1f} s")
+    vocab = min(llm.tokenizer.vocab_size, 10000)
+
+    def prompt(n):
+        return [rng.randrange(vocab) for _ in range(n)]
+    forever = SamplingParams(temperature=0.6, max_tokens=10 ** 6, ignore_eos=True)
+    once = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
+    for _ in range(args.decodes):
+        llm.add_request(prompt(args.context), forever)
+    for _ in range(3):
+        llm.step()  # the prefill, then decodes
+    print(f"{args.decodes} decodes of ~{args.context} tokens; ms per step, median of {args.reps}")
+    print("| prompt tokens | mixed step | decode-only step | prefill alone |")
+    print("| ---: | ---: | ---: | ---: |")
+    for n in args.prompt_lens:
+        mixed, decode = [], []
+        for _ in range(args.reps):
+            llm.add_request(prompt(n), once)
+            mixed.append(timed_step(llm))
+            decode.append(timed_step(llm))
+        # the same prompt alone: a scratch engine would recompile, so pause the decodes instead
+        print(f"| {n} | {statistics.median(mixed) * 1e3:.2f} | {statistics.median(decode) * 1e3:.2f} | "
+              f"{prefill_alone(llm, n, once, args.reps, prompt):.2f} |")
+
+    if args.trace:
+        for n in args.prompt_lens:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    llm.add_request(prompt(n), once)
+                    timed_step(llm)
+            prof.export_chrome_trace(f"{args.trace}/mixed_{n}.json")
+    n = args.prompt_lens[-1]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.reps):
+            llm.add_request(prompt(n), once)
+            timed_step(llm)
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(b - a for a, b in spans) / args.reps / 1e3
+    print(f"\nmixed steps with {n} prompt tokens: GPU busy {busy:.2f} ms/step (summed kernels), "
+          f"{len(spans) / args.reps:.0f} device records/step")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.reps):
+        llm.add_request(prompt(n), once)
+        timed_step(llm)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+def prefill_alone(llm: LLM, n: int, params, reps: int, prompt) -> float:
+    """Median ms of a step that prefills n tokens with no decode beside it (the decodes are held back)."""
+    scheduler = llm.scheduler
+    running, times = list(scheduler.running), []
+    for _ in range(reps):
+        held = list(scheduler.running)
+        scheduler.running.clear()
+        llm.add_request(prompt(n), params)
+        times.append(timed_step(llm))
+        scheduler.running.extend(held)
+    assert len(scheduler.running) == len(running)
+    return statistics.median(times) * 1e3
+
+
+if __name__ == "__main__":
+    main()
