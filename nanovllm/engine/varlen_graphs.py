@@ -113,8 +113,8 @@ class VarlenGraphs:
         if temperatures is not None:
             host["temperatures"][:num_samples] = temperatures
         host["tile_map"][:self.tiles(size)] = varlen_tile_map(inputs.query_lens, self.query_tile, self.tiles(size))
-        host["block_tables"][:num_seqs] = 0  # no stale entries from an earlier, wider step
-        host["block_tables"][:num_seqs, :inputs.block_tables.shape[1]] = inputs.block_tables
+        host["block_tables"][:num_seqs, :inputs.block_tables.shape[1]] = inputs.block_tables  # (the kernel reads
+        # no entry past a sequence's last block, so stale ones after it stay)
         self.inputs.send(staging, num_seqs)  # of the block tables, the real sequences' rows
         if (inputs.pending_rows >= 0).any() and last_sampled.data_ptr() != self.tokens.data_ptr():
             self.tokens[:len(last_sampled)] = last_sampled  # the last step sampled outside the decode graphs
