@@ -24,6 +24,17 @@ FIELDS = (("input_ids", np.int64, 0), ("positions", np.int64, 0), ("slot_mapping
           ("pending_rows", np.int64, -1), ("context_lens", np.int32, 1), ("temperatures", np.float32, 0))
 
 
+def read_pending(tokens: torch.Tensor, pending_rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """In a graph: the input ids, each pending token (pending row >= 0) read from `tokens`, the last step's samples."""
+    return torch.where(pending_rows >= 0, tokens[pending_rows.clamp(min=0)], input_ids)
+
+
+def keep_samples(tokens: torch.Tensor, inputs: StepInputs, last_sampled: torch.Tensor):
+    """Before a replay: the last step's samples into `tokens` when the step reads some and they lie elsewhere."""
+    if (inputs.pending_rows >= 0).any() and last_sampled.data_ptr() != tokens.data_ptr():
+        tokens[:len(last_sampled)] = last_sampled
+
+
 class DecodeGraphs:
 
     @torch.inference_mode()
@@ -70,8 +81,7 @@ class DecodeGraphs:
 
     def _forward(self, bs: int):
         g = self.vars
-        pending = g["pending_rows"][:bs]
-        input_ids = torch.where(pending >= 0, self.tokens[pending.clamp(min=0)], g["input_ids"][:bs])
+        input_ids = read_pending(self.tokens, g["pending_rows"][:bs], g["input_ids"][:bs])
         meta = AttentionMetadata(slot_mapping=g["slot_mapping"][:bs], block_tables=g["block_tables"][:bs],
                                  context_lens=g["context_lens"][:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
                                  max_seqlen_q=1, max_seqlen_k=self.max_model_len)
@@ -109,8 +119,7 @@ class DecodeGraphs:
         host["block_tables"][:bs] = 0  # no stale entries from an earlier, longer batch
         host["block_tables"][:n, :inputs.block_tables.shape[1]] = inputs.block_tables
         self.inputs.send(staging, bs)  # of the block tables, the rows that this graph reads
-        if (inputs.pending_rows >= 0).any() and last_sampled.data_ptr() != self.tokens.data_ptr():
-            self.tokens[:len(last_sampled)] = last_sampled  # the last step sampled outside this graph
+        keep_samples(self.tokens, inputs, last_sampled)  # the last step may have sampled outside this graph
         self.graphs[bs].replay()
         if self.logits is None:
             return None, None

@@ -18,6 +18,7 @@ rows padded to `max_seqs`, made steps of 512-1,024 prompt tokens beside 8 decode
 import numpy as np
 import torch
 
+from nanovllm.engine.cuda_graphs import keep_samples, read_pending
 from nanovllm.engine.piecewise_graphs import capture_cuda_graph, token_counts
 from nanovllm.engine.staging import Staging, StaticInputs
 from nanovllm.engine.step_inputs import StepInputs
@@ -83,8 +84,7 @@ class VarlenGraphs:
 
     def _forward(self, size: int):
         v, seqs = self.inputs.vars, self.seqs(size)
-        pending = v["pending_rows"][:size]
-        input_ids = torch.where(pending >= 0, self.tokens[pending.clamp(min=0)], v["input_ids"][:size])
+        input_ids = read_pending(self.tokens, v["pending_rows"][:size], v["input_ids"][:size])
         meta = AttentionMetadata(slot_mapping=v["slot_mapping"][:size], block_tables=v["block_tables"][:seqs],
                                  context_lens=v["context_lens"][:seqs], cu_seqlens_q=v["cu_seqlens_q"][:seqs + 1],
                                  max_seqlen_q=size, max_seqlen_k=self.max_model_len,
@@ -101,6 +101,7 @@ class VarlenGraphs:
         temperatures of a plain batch on the device), views of static buffers valid until the next run."""
         num_tokens, num_seqs, num_samples = len(inputs.input_ids), inputs.num_seqs, len(inputs.logits_indices)
         size = next(size for size in self.sizes if size >= num_tokens)
+        tiles = self.tiles(size)
         host = self.inputs.host(staging)
         token_rows = np.repeat(inputs.pending_rows, inputs.query_lens)  # a pending token is its sequence's one
         for name, values, pad in (("input_ids", inputs.input_ids, 0), ("positions", inputs.positions, 0),
@@ -112,12 +113,11 @@ class VarlenGraphs:
         host["logits_indices"][:num_samples] = inputs.logits_indices
         if temperatures is not None:
             host["temperatures"][:num_samples] = temperatures
-        host["tile_map"][:self.tiles(size)] = varlen_tile_map(inputs.query_lens, self.query_tile, self.tiles(size))
+        host["tile_map"][:tiles] = varlen_tile_map(inputs.query_lens, self.query_tile, tiles)
         host["block_tables"][:num_seqs, :inputs.block_tables.shape[1]] = inputs.block_tables  # (the kernel reads
         # no entry past a sequence's last block, so stale ones after it stay)
         self.inputs.send(staging, num_seqs)  # of the block tables, the real sequences' rows
-        if (inputs.pending_rows >= 0).any() and last_sampled.data_ptr() != self.tokens.data_ptr():
-            self.tokens[:len(last_sampled)] = last_sampled  # the last step sampled outside the decode graphs
+        keep_samples(self.tokens, inputs, last_sampled)  # the last step may have sampled outside the decode graphs
         self.graphs[size].replay()
         v = self.inputs.vars
         return (self.hidden_states[:num_tokens], v["logits_indices"][:num_samples],
