@@ -4,11 +4,13 @@ batches): y = x @ w.T (+ bias) for x [M, K] with M <= MAX_ROWS, w [N, K], N < K.
 There cuBLAS's kernels for the H200 read the weights slowly: Qwen3-0.6B's o_proj (N 1024, K 2048) takes 12.4 us a
 layer at one row and 5.8-6.1 at 8-32 rows, where its 4 MB need 1 us at copy bandwidth; this kernel takes 5.0-5.9
 us, and 6.1-6.7 for down (N 1024, K 3072) against cuBLAS's 7.7-8.0 (`benchmarks/skinny_gemm.py`: 28 layers'
-weights in one CUDA graph). Where N >= K (qkv, gate/up) cuBLAS was as fast or faster, and F.linear stays. Each program streams BLOCK_N weight rows over one part of K (the rows of x padded to
-16 for `tl.dot`). When N / BLOCK_N programs would not fill the GPU, K is cut into parts: each part writes its
-float32 partial sums, and the program that finishes last for a block of columns (a counter per block, which it
-resets to 0) adds them up; one launch either way. The grid depends on M, N and K only, so a CUDA graph of a batch
-size captures it. NANOVLLM_SKINNY_GEMM=0 turns it off, for comparison.
+weights in one CUDA graph). Where N >= K (qkv, gate/up) cuBLAS was as fast or faster, and F.linear stays.
+
+Each program streams BLOCK_N weight rows over one part of K (the rows of x padded to 16 for `tl.dot`). When N /
+BLOCK_N programs would not fill the GPU, K is cut into parts: each part writes its float32 partial sums, and the
+program that finishes last for a block of columns (a counter per block, which it resets to 0) adds them up; one
+launch either way. The grid depends on M, N and K only, so a CUDA graph of a batch size captures it.
+NANOVLLM_SKINNY_GEMM=0 turns it off, for comparison.
 """
 import os
 
