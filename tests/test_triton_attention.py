@@ -387,7 +387,7 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
                      qk_scale="fp32", v_scale="fp32", min_split_tokens="i32")
     constexprs = dict(NUM_KV_HEADS=8, GROUP=2, GROUP_PAD=2, HEAD_DIM=128, DIM_PAD=128, DECODE=decode, PAGED=paged,
                       SPLIT=split, TILE_MAP=tile_map, COMPUTE_DTYPE=tl.float16 if cache == "fp8e4nv" else tl.bfloat16,
-                      DOT_PRECISION="tf32")
+                      DOT_PRECISION="tf32", PDL=decode or tile_map)  # as launched on an H200
     if split:
         signature["num_splits"] = "i32"
     else:
@@ -413,7 +413,7 @@ def test_kernels_compile_for_sm90():
     splits = triton_attention.decode_splits(1, 8, 132)
     cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel",
                   dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32"),
-                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=triton_attention.triton.next_power_of_2(splits))))
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=triton_attention.triton.next_power_of_2(splits), PDL=True)))
     for cache in ("bf16", "fp8e4nv"):  # k and v are slices of the qkv projection's [tokens, (16 + 2 * 8) * 128]
         cases.append(("nanovllm.layers.triton_kvstore", "_store_kvcache_kernel", dict(
             k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", slot_mapping_ptr="*i64",

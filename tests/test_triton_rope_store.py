@@ -139,5 +139,5 @@ def test_compiles_for_sm90():
                          eps="fp32", k_scale="fp32", v_scale="fp32")
         cases.append(("nanovllm.layers.triton_rope_store", "_rope_store_kernel", signature, dict(
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=128, HEADS_BLOCK=16,
-            KV_HEADS_BLOCK=num_kv_heads, HALF_BLOCK=64, QK_NORM=qk_norm, QUANTIZE=fp8)))
+            KV_HEADS_BLOCK=num_kv_heads, HALF_BLOCK=64, QK_NORM=qk_norm, QUANTIZE=fp8, PDL=qk_norm)))
     compile_for_sm90(cases)

@@ -18,7 +18,7 @@ One program per token handles every head, so a launch is a fixed grid that a CUD
 import torch
 
 from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX
-from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton
+from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, pdl_args, tl, triton
 
 if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -53,8 +53,11 @@ if triton is not None:
         q_weight_ptr, k_weight_ptr, q_token_stride, k_token_stride, v_token_stride, eps, k_scale, v_scale,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
-        QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr,
+        QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # dependent launch (`triton_skinny`): q, k and v are the previous kernel's
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         token = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a cache can exceed 2**31 elements
         half = HEAD_DIM // 2
         position = tl.load(positions_ptr + token).to(tl.int64)
@@ -121,6 +124,6 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
         q.stride(0), k.stride(0), v.stride(0), eps, k_scale, v_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_BLOCK=triton.next_power_of_2(num_heads), KV_HEADS_BLOCK=triton.next_power_of_2(num_kv_heads),
-        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm, QUANTIZE=quantize,
+        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm, QUANTIZE=quantize, **pdl_args(q.device),
     )
     return out
