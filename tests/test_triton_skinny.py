@@ -1,109 +1,162 @@
-"""The skinny matmul (few rows, `triton_skinny`) against float64 torch: rows 1-32, K in one part or several (whose
-last program adds the partial sums and leaves its counter at zero), with and without bias, ragged N and K; on CPU
-through Triton's interpreter in float32, and on a GPU in bf16."""
+"""The skinny matmul with its fused norm, gate and residual (`triton_skinny`) against the unfused layers in float64:
+rows 1-32, K in one part or several (whose last program adds the partial sums, applies the rest and leaves its
+counter at zero), with and without bias, ragged N and K; on CPU through Triton's interpreter in float32, and on
+a GPU in bf16. Then the layers that route to it, and a model whose decode steps run through it."""
 import pytest
 import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
 
-from tests.conftest import compile_for_sm90
+from tests.conftest import assert_greedy_matches_hf, compile_for_sm90
 
 triton_skinny = pytest.importorskip("nanovllm.layers.triton_skinny")
 if triton_skinny.triton is None:
     pytest.skip("Triton does not import here", allow_module_level=True)
 
+from nanovllm.layers.activation import GeluAndMul, SiluAndMul  # noqa: E402
+from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TILE = (16, 128, 4, 2)  # small tiles: several blocks of columns and of K even at these sizes
+EPS = 1e-6
 
 
-def reference(x, w, b):
-    return x.double() @ w.double().T + (b.double() if b is not None else 0)
+def reference(x, w, b=None, norm_weight=None, gated=False, residual=None):
+    """The unfused layers in float64: RMSNorm, the product and bias, silu(gate) * up, the residual."""
+    x = x.double()
+    if norm_weight is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight.double()
+    y = x @ w.double().T + (b.double() if b is not None else 0)
+    if gated:
+        gate, up = y.chunk(2, -1)
+        y = F.silu(gate) * up
+    return y if residual is None else y + residual.double()
 
 
 def rel_error(out, expected):
     return ((out.double().cpu() - expected).norm() / expected.norm()).item()
 
 
-@pytest.mark.parametrize("m,n,k,parts,bias", [
-    (1, 40, 300, 1, False), (3, 64, 512, 2, True), (16, 33, 700, 3, False), (17, 96, 256, 1, True),
-    (32, 50, 1000, 4, True), (5, 70, 1000, None, False)])
-def test_skinny_matches_torch(m, n, k, parts, bias):
-    gen = torch.Generator().manual_seed(m * n)
-    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
-    b = torch.randn(n, generator=gen) if bias else None
-    expected = reference(x, w, b)
-    for _ in range(2):  # the second launch finds the counters the first one left
-        out = triton_skinny.skinny_linear(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE) if bias else None, parts=parts,
-                                          config=TILE)
+def fused(x, w, b=None, norm_weight=None, gated=False, residual=None, config=None):
+    """skinny_linear on DEVICE of CPU tensors."""
+    to = (lambda t: None if t is None else t.to(DEVICE))
+    return triton_skinny.skinny_linear(to(x), to(w), to(b), norm=None if norm_weight is None else
+                                       (to(norm_weight), EPS), gated=gated, residual=to(residual), config=config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter: every draw would compile a "
+                    "variant on a GPU (there: test_parts_race_free_on_gpu)")
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 32), n=st.integers(1, 80), k=st.integers(1, 700), block_k=st.sampled_from([64, 128, 1024]),
+       bias=st.booleans(), norm=st.booleans(), gated=st.booleans(), residual=st.booleans(), seed=st.integers(0, 99))
+def test_skinny_matches_the_unfused_layers(m, n, k, block_k, bias, norm, gated, residual, seed):
+    """Any mix of norm, gate, bias and residual, K in one part (block_k 1024) or many: the unfused layers' result;
+    a second launch finds the counters the first one left at zero."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * n if gated else n
+    x, w = torch.randn(m, k, generator=gen), torch.randn(rows, k, generator=gen) / k ** 0.5
+    b = torch.randn(rows, generator=gen) if bias else None
+    norm_weight = torch.rand(k, generator=gen) + 0.5 if norm else None
+    res = torch.randn(m, n, generator=gen) if residual else None
+    expected = reference(x, w, b, norm_weight, gated, res)
+    for _ in range(2):
+        out = fused(x, w, b, norm_weight, gated, res, config=(16, block_k, 4))
         assert out.shape == (m, n) and out.dtype == torch.float32
-        assert ((out.double().cpu() - expected).norm() / expected.norm()).item() < 1e-5
-    if parts != 1:
+        assert rel_error(out, expected) < 1e-5
+    if block_k < k:
         assert not triton_skinny._counters[out.device].any()
 
 
-def test_parts_fill_the_gpu():
-    assert triton_skinny.skinny_parts(6144, 1024, 32, 256, 132) == 1  # 192 blocks of 32 columns fill 132 SMs
-    assert triton_skinny.skinny_parts(1024, 3072, 32, 256, 132) == 5  # 32 blocks: five parts, 160 programs
-    assert triton_skinny.skinny_parts(1024, 256, 32, 256, 132) == 1  # K too short to cut
-    assert triton_skinny.skinny_parts(1024, 200, 32, 256, 132) == 1  # K shorter than one block_k: one part, not 0
+def test_plan_covers_every_k():
+    """Whatever the shape, the plan's blocks tile K with power-of-two blocks that `tl.dot` takes (its choices
+    are timings: benchmarks/skinny_gemm.py --sweep)."""
+    for block_m, k, gated in [(16, 1024, False), (32, 3072, False), (16, 1024, True), (32, 64, True), (16, 17, False)]:
+        block_n, block_k, warps = triton_skinny.plan(block_m, k, gated)
+        assert block_n >= 16 and block_k >= 16 and block_n & (block_n - 1) == 0 and block_k & (block_k - 1) == 0
+        assert warps in (4, 8)
 
 
 @pytest.fixture
 def skinny_calls(monkeypatch):
-    """The skinny path on, on this device, with the shapes of x that reach skinny_linear."""
+    """The skinny path on, on this device, as on an H200 (dependent launches, so wide products too), with (shape of
+    x, norm?, gated?, residual?) of each call."""
     monkeypatch.setattr(triton_skinny, "ENABLED", True)
     monkeypatch.setattr(triton_skinny, "DEVICE_TYPE", DEVICE.type)
+    monkeypatch.setattr(triton_skinny, "pdl_launch", lambda device: True)
     calls = []
     skinny = triton_skinny.skinny_linear
-    monkeypatch.setattr(triton_skinny, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape) or skinny(*a, **kw))
+
+    def spy(x, w, bias=None, **kw):
+        calls.append((tuple(x.shape), kw["norm"] is not None, kw["gated"], kw["residual"] is not None))
+        return skinny(x, w, bias, **kw)
+    monkeypatch.setattr(triton_skinny, "skinny_linear", spy)
     return calls
 
 
-def test_linear_layers_take_it(skinny_calls):
-    from nanovllm.layers import linear
-    x, w = torch.randn(4, 300, device=DEVICE), torch.randn(40, 300, device=DEVICE)
-    assert torch.allclose(linear.linear(x, w, None), x @ w.T, atol=1e-4)
-    linear.linear(torch.randn(triton_skinny.MAX_ROWS + 1, 300, device=DEVICE), w, None)  # more rows: F.linear
-    linear.linear(x, torch.randn(300, 300, device=DEVICE), None)  # as many outputs as inputs (qkv, gate/up)
-    assert skinny_calls == [(4, 300)]
-
-
-def test_linear_takes_it_up_to_max_rows_with_the_bias(skinny_calls):
-    """A decode step of MAX_ROWS rows is still skinny, and the bias is added there as on F.linear's path; x whose
-    columns are not contiguous (the kernel reads them as if they were) stays on F.linear, and is right."""
+def test_linear_fuses_norm_silu_and_residual(skinny_calls):
+    """`linear` hands the norm, a silu gate and the residual to the kernel for a few rows, and gives the same as
+    the layers one after the other; more rows, another activation, or x read across its columns, take F.linear
+    and the layers, with the same result."""
     from nanovllm.layers import linear
     gen = torch.Generator().manual_seed(4)
-    w, b = torch.randn(40, 300, generator=gen), torch.randn(40, generator=gen)
-    x = torch.randn(triton_skinny.MAX_ROWS, 300, generator=gen)
-    assert rel_error(linear.linear(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE)), reference(x, w, b)) < 1e-5
+    norm = RMSNorm(300, eps=EPS)
+    norm.weight.data.copy_(torch.rand(300, generator=gen) + 0.5)
+    w, b = torch.randn(80, 300, generator=gen) / 300 ** 0.5, torch.randn(80, generator=gen)
+    for m in (4, triton_skinny.MAX_ROWS, triton_skinny.MAX_ROWS + 1):
+        x, res = torch.randn(m, 300, generator=gen), torch.randn(m, 40, generator=gen)
+        expected = reference(x, w, b, norm.weight.data.cpu(), True, res)
+        out = linear.linear(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), norm.to(DEVICE), SiluAndMul(), res.to(DEVICE))
+        assert rel_error(out, expected) < 1e-5, m
+    gelu = GeluAndMul()
+    out = linear.linear(x[:4].to(DEVICE), w.to(DEVICE), None, act=gelu)
+    assert torch.allclose(out.cpu(), gelu(x[:4] @ w.T), atol=1e-5)
     columns = torch.randn(300, 4, generator=gen).t()  # [4, 300] with a column stride of 4
-    assert rel_error(linear.linear(columns.to(DEVICE), w.to(DEVICE), None), reference(columns, w, None)) < 1e-5
-    assert skinny_calls == [(triton_skinny.MAX_ROWS, 300)]
+    assert rel_error(linear.linear(columns.to(DEVICE), w.to(DEVICE), None), reference(columns, w)) < 1e-5
+    assert skinny_calls == [((4, 300), True, True, True), ((triton_skinny.MAX_ROWS, 300), True, True, True)]
 
 
-def test_row_parallel_layers_take_it(skinny_calls):
-    """o_proj and down are RowParallelLinear: their forward goes through `linear`, so a decode step's few rows
-    take the skinny matmul, bias included."""
+def test_wide_products_need_dependent_launches(skinny_calls, monkeypatch):
+    """Without PDL a product with at least as many outputs as inputs (qkv, gate/up) stays on cuBLAS, norm and
+    all, where o_proj's and down's shape still takes the kernel."""
+    from nanovllm.layers import linear
+    gen = torch.Generator().manual_seed(6)
+    x, wide, narrow = (torch.randn(*shape, generator=gen).to(DEVICE) for shape in ((4, 64), (128, 64), (32, 64)))
+    norm = RMSNorm(64, eps=EPS).to(DEVICE)
+    monkeypatch.setattr(triton_skinny, "pdl_launch", lambda device: False)
+    assert rel_error(linear.linear(x, wide, None, norm), reference(x.cpu(), wide.cpu(), None, norm.weight.cpu())) < 1e-5
+    linear.linear(x, narrow, None)
+    monkeypatch.setattr(triton_skinny, "pdl_launch", lambda device: True)
+    linear.linear(x, wide, None, norm)
+    assert skinny_calls == [((4, 64), False, False, False), ((4, 64), True, False, False)]
+
+
+def test_row_parallel_layers_add_the_residual_in_it(skinny_calls):
+    """o_proj and down are RowParallelLinear: a decode step's few rows take the skinny matmul, bias and residual
+    included."""
     from nanovllm.layers.linear import RowParallelLinear
     gen = torch.Generator().manual_seed(5)
     layer = RowParallelLinear(300, 40, bias=True)
     layer.weight.data.copy_(torch.randn(40, 300, generator=gen))
     layer.bias.data.copy_(torch.randn(40, generator=gen))
-    x = torch.randn(3, 300, generator=gen)
-    expected = reference(x, layer.weight.data, layer.bias.data)
-    assert rel_error(layer.to(DEVICE)(x.to(DEVICE)), expected) < 1e-5
-    assert skinny_calls == [(3, 300)]
+    x, res = torch.randn(3, 300, generator=gen), torch.randn(3, 40, generator=gen)
+    expected = reference(x, layer.weight.data, layer.bias.data, residual=res)
+    assert rel_error(layer.to(DEVICE)(x.to(DEVICE), residual=res.to(DEVICE)), expected) < 1e-5
+    assert skinny_calls == [((3, 300), False, False, True)]
 
 
 def test_skinny_reads_rows_at_their_strides():
-    """x and w may be views whose rows lie further apart than K (a slice of a wider tensor; `fits` asks only that
-    their columns be contiguous): each row is read at its own stride, in one part of K and in several."""
+    """x, w and the residual may be views whose rows lie further apart than their width (slices of wider
+    tensors; `fits` asks only that columns be contiguous): each row is read at its own stride, with the norm's
+    sum of squares over the whole row in one part of K and in several."""
     gen = torch.Generator().manual_seed(3)
     m, n, k = 5, 40, 300
     x = torch.randn(m, k + 17, generator=gen)[:, 9:9 + k]
     w = torch.randn(n, k + 44, generator=gen)[:, 30:30 + k]
-    expected = reference(x, w, None)
-    for parts in (1, 3):
-        out = triton_skinny.skinny_linear(x.to(DEVICE), w.to(DEVICE), parts=parts, config=TILE)
-        assert rel_error(out, expected) < 1e-5, parts
+    res = torch.randn(m, n + 8, generator=gen)[:, 3:3 + n]
+    norm_weight = torch.rand(k, generator=gen) + 0.5
+    expected = reference(x, w, None, norm_weight, residual=res)
+    for block_k in (512, 64):
+        out = fused(x, w, norm_weight=norm_weight, residual=res, config=(16, block_k, 4))
+        assert rel_error(out, expected) < 1e-5, block_k
 
 
 def test_counters_grow_with_the_blocks():
@@ -115,30 +168,51 @@ def test_counters_grow_with_the_blocks():
     assert triton_skinny._counter(DEVICE, 8) is counter  # kept for the next launches
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
+def test_decode_steps_through_the_fused_kernels_match_hf(tiny_model, hf_model, skinny_calls):
+    """The tiny Qwen3 with every projection of its decode steps on the skinny kernel (norm + qkv, o_proj +
+    residual, norm + gate/up + silu, down + residual): greedy tokens as HF's, teacher-forced."""
+    from nanovllm import LLM, SamplingParams
+    prompts = [[5, 9, 200, 31], [7] * 11, [300, 2, 8]]
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=40) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
+    fused_kinds = {call[1:] for call in skinny_calls}
+    assert fused_kinds == {(True, False, False), (False, False, True), (True, True, False)}, fused_kinds
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_parts_race_free_on_gpu():
-    """Many launches with K in parts, in bf16 against float64: a partial sum read before its program stored it,
-    or a counter left non-zero, shows up as a wrong block of columns in some launch."""
+    """Many launches with K in parts, norm and gate and residual, in bf16 against float64: a partial sum read
+    before its program stored it, or a counter left non-zero, shows up as a wrong block of columns somewhere."""
     gen = torch.Generator().manual_seed(0)
     for trial in range(200):
-        m, n, k = int(torch.randint(1, 33, (1,), generator=gen)), 1024, 3072
-        x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
-        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, torch.bfloat16)
-        expected = reference(x.cpu().float(), w.cpu().float(), None)
-        out = triton_skinny.skinny_linear(x, w, parts=1 + trial % 8).double().cpu()
-        assert ((out - expected).norm() / expected.norm()).item() < 1e-2, (trial, m)
-    assert not triton_skinny._counters[x.device].any()
+        m, n, k = int(torch.randint(1, 33, (1,), generator=gen)), 512, 3072
+        gated, norm = trial % 2 == 1, trial % 3 == 0
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        w = (torch.randn(2 * n if gated else n, k, generator=gen) / k ** 0.5).to(torch.bfloat16)
+        res = torch.randn(m, n, generator=gen).to(torch.bfloat16)
+        norm_weight = torch.ones(k, dtype=torch.bfloat16) if norm else None
+        expected = reference(x.float(), w.float(), None, norm_weight, gated, res.float())
+        out = fused(x, w, None, norm_weight, gated, res, config=(16, 256 << trial % 2, 4))
+        assert rel_error(out, expected) < 1e-2, (trial, m)
+    assert not triton_skinny._counters[DEVICE].any()
 
 
 def test_kernels_compile_for_sm90():
-    signature = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32",
-                     counter_ptr="*i32", M="i32", N="i32", K="i32", x_stride="i32", w_stride="i32", part_k="i32",
-                     parts="i32")
+    signature = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", norm_ptr="*bf16", res_ptr="*bf16",
+                     out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", M="i32", N="i32", K="i32",
+                     x_stride="i32", w_stride="i32", res_stride="i32", eps="fp32", parts="i32")
     cases = []
-    for block_m, bias, split in [(16, False, True), (32, True, True), (16, True, False)]:
+    for block_m, block_n, block_k, flags in [(16, 16, 1024, (False, True, False, True, False, True)),
+                                             (32, 32, 512, (True, True, True, False, True, True)),
+                                             (16, 16, 1024, (False, False, False, True, True, True)),
+                                             (16, 32, 256, (True, False, False, False, False, False))]:
+        bias, norm, gated, residual, split, pdl = flags
         cases.append(("nanovllm.layers.triton_skinny", "_skinny_kernel", signature,
-                      dict(BLOCK_M=block_m, BLOCK_N=triton_skinny.CONFIG[0], BLOCK_K=triton_skinny.CONFIG[1],
-                           HAS_BIAS=bias, SPLIT=split, DOT_PRECISION="tf32"),
-                      dict(num_warps=triton_skinny.CONFIG[2], num_stages=triton_skinny.CONFIG[3])))
+                      dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, NORM=norm,
+                           GATED=gated, RESIDUAL=residual, SPLIT=split, PDL=pdl, DOT_PRECISION="tf32"),
+                      dict(num_warps=4, num_stages=1)))
     compile_for_sm90(cases)

@@ -3,7 +3,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 like Hugging Face's; with `residual`, adds it first and returns both."""
+    """RMSNorm computed in float32 like Hugging Face's; with `residual`, adds it first and returns both. (A decode
+    step's few rows skip it: the projection after it applies it, `linear`.)"""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()

@@ -11,14 +11,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers import triton_skinny
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.utils.parallel import tp_rank, tp_size
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, or the skinny matmul where it is faster (`triton_skinny.fits`)."""
-    if triton_skinny.fits(x, weight):
-        return triton_skinny.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: RMSNorm | None = None,
+           act: nn.Module | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """act(F.linear(norm(x), weight, bias)) + residual, each of norm, act and residual optional: in one skinny
+    kernel where it fits (`triton_skinny`: few rows, and an act that it fuses, silu), else one layer after the
+    other."""
+    if triton_skinny.fits(x, weight) and (act is None or type(act) is SiluAndMul):
+        return triton_skinny.skinny_linear(x, weight, bias, norm=None if norm is None else (norm.weight, norm.eps),
+                                           gated=act is not None, residual=residual)
+    y = F.linear(x if norm is None else norm(x), weight, bias)
+    if act is not None:
+        y = act(y)
+    return y if residual is None else y + residual
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor):
@@ -60,8 +69,10 @@ class LinearBase(nn.Module):
             loaded_weight = tp_shard(loaded_weight, self.tp_dim, param.size(self.tp_dim), self.tp_rank, self.tp_size)
         copy_weight(param.data, loaded_weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, act: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """act(norm(x) @ weight.T + bias) + residual, as `linear`."""
+        return linear(x, self.weight, self.bias, norm, act, residual)
 
 
 class ReplicatedLinear(LinearBase):
@@ -126,9 +137,11 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(divide(input_size, tp_size(), "input_size"), output_size, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the bias is added once, on rank 0, so the all-reduce sums it exactly once
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T + bias (+ residual), summed over the ranks."""
+        if self.tp_size == 1:
+            return linear(x, self.weight, self.bias, residual=residual)
+        # the bias is added once, on rank 0, so the all-reduce sums it exactly once; the residual after it
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
-        return y
+        dist.all_reduce(y)
+        return y if residual is None else y + residual

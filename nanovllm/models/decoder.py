@@ -17,6 +17,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.moe import SparseMoeBlock
+from nanovllm.layers import triton_skinny
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_inv_freq
 from nanovllm.layers.triton_rope_store import rope_store
 
@@ -71,10 +72,13 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(dim, eps=config.rms_norm_eps)
 
-    def project(self, positions: torch.Tensor, hidden_states: torch.Tensor, slot_mapping: torch.Tensor):
-        """The attention's inputs: q and k ([tokens, heads, head_dim]) normed and rotated, and v. Where the
-        attention says `fused_store`, one kernel does the norms and rope and stores k and v at `slot_mapping`."""
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def project(self, positions: torch.Tensor, hidden_states: torch.Tensor, slot_mapping: torch.Tensor,
+                norm: RMSNorm | None = None):
+        """The attention's inputs: q and k ([tokens, heads, head_dim]) normed and rotated, and v, projected from
+        hidden_states (from norm(hidden_states): the layer's input norm on the residual stream). Where the attention says `fused_store`, one kernel does the
+        q/k norms and rope and stores k and v at `slot_mapping`."""
+        qkv = self.qkv_proj(hidden_states, norm=norm)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         attn = self.attn
@@ -102,6 +106,10 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
+    def fused(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """x + forward(norm(x)), for few rows: two skinny kernels (norm + gate/up + silu, down + residual)."""
+        return self.down_proj(self.gate_up_proj(x, norm=norm, act=self.act_fn), residual=x)
+
 
 class DecoderLayer(nn.Module):
 
@@ -116,6 +124,22 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(config.hidden_size, mlp, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def after_attention(self, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm):
+        """From this layer's attention output `x` to the next norm's input: (hidden states, residual stream,
+        the norm still to apply to the hidden states or None). Few rows (a decode step's, `triton_skinny.takes`)
+        add each residual in the projection before it and leave each norm to the projection after it; more rows
+        add each residual in the norm after it (one compiled kernel)."""
+        if triton_skinny.takes(x):
+            residual = self.self_attn.o_proj(x, residual=residual)
+            if isinstance(self.mlp, DenseMLP):
+                residual = self.mlp.fused(residual, self.post_attention_layernorm)
+            else:
+                residual = residual + self.mlp(self.post_attention_layernorm(residual))
+            return residual, residual, next_norm
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(x), residual)
+        hidden, residual = next_norm(self.mlp(hidden), residual)
+        return hidden, residual, None
 
 
 class DecoderModel(nn.Module):
@@ -141,15 +165,13 @@ class DecoderModel(nn.Module):
         CUDA graphs capture these pieces."""
         if i == 0:
             residual = self.embed_tokens(x)
-            hidden_states = self.layers[0].input_layernorm(residual)
+            hidden, norm = residual, self.layers[0].input_layernorm
         else:
-            layer = self.layers[i - 1]
-            hidden_states, residual = layer.post_attention_layernorm(layer.self_attn.o_proj(x), residual)
-            hidden_states = layer.mlp(hidden_states)
+            norm = self.layers[i].input_layernorm if i < len(self.layers) else self.norm
+            hidden, residual, norm = self.layers[i - 1].after_attention(x, residual, norm)
             if i == len(self.layers):
-                return self.norm(hidden_states, residual)[0]
-            hidden_states, residual = self.layers[i].input_layernorm(hidden_states, residual)
-        return *self.layers[i].self_attn.project(positions, hidden_states, slot_mapping), residual
+                return hidden if norm is None else norm(hidden)
+        return *self.layers[i].self_attn.project(positions, hidden, slot_mapping, norm), residual
 
 
 class DecoderForCausalLM(nn.Module):
