@@ -1,7 +1,9 @@
 """Where a decode step's time goes on CUDA: wall time per step, the top kernels from torch.profiler, and how long
 the GPU sits idle between steps (the host gap that overlap scheduling should hide).
 
-    python benchmarks/profile_decode.py [--model PATH] [--batch 256] [--context 1000] [--steps 20] [--rows 15]
+    python benchmarks/profile_decode.py [--model PATH] [--batch 256 [16 ...]] [--context 1000] [--steps 20] [--rows 15]
+
+Several batch sizes run one after the other in one engine; a table of ms/step by batch closes the output.
 
 Idle time: the profiler's kernel and memcpy records of the timed steps, sorted by start; every gap between the end
 of one and the start of the next counts. "gaps > 20 us" are the step boundaries (inside a CUDA graph replay
@@ -40,7 +42,7 @@ def device_idle(prof, steps: int) -> str:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model")
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, nargs="+", default=[256])
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -48,10 +50,22 @@ def main():
     parser.add_argument("--trace", help="a file: write a Chrome trace of the profiled steps")
     args = parser.parse_args()
 
+    start = time.perf_counter()
     llm = LLM(args.model or str(default_checkpoint("qwen3-0.6b")), enforce_eager=args.enforce_eager)
+    print(f"engine ready in {time.perf_counter() - start:.1f} s", flush=True)
+    results = [profile_batch(llm, batch, args) for batch in args.batch]
+    print("| batch | context | ms/step | tok/s |\n| ---: | ---: | ---: | ---: |")
+    for batch, per_step in zip(args.batch, results):
+        print(f"| {batch} | {args.context} | {per_step * 1e3:.3f} | {batch / per_step:.0f} |")
+
+
+def profile_batch(llm, batch: int, args) -> float:
+    """Seconds per decode step of `batch` sequences of ~args.context tokens, with a kernel table; the sequences
+    finish before it returns."""
+    begin = time.perf_counter()
     scheduler = llm.scheduler
-    params = SamplingParams(temperature=0.6, max_tokens=10 ** 6, ignore_eos=True)
-    for i in range(args.batch):
+    params = SamplingParams(temperature=0.6, max_tokens=2 * args.steps + 8, ignore_eos=True)
+    for i in range(batch):
         scheduler.add(Sequence([(i * 7 + j) % 10000 for j in range(args.context)], params))
     while scheduler.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in scheduler.running):
         llm.step()  # prefill
@@ -64,7 +78,7 @@ def main():
         llm.step()
     torch.cuda.synchronize()
     per_step = (time.perf_counter() - start) / args.steps
-    print(f"batch {args.batch}, context ~{args.context}: {per_step * 1e3:.3f} ms/step, {args.batch / per_step:.0f} tok/s")
+    print(f"batch {batch}, context ~{args.context}: {per_step * 1e3:.3f} ms/step, {batch / per_step:.0f} tok/s")
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -73,8 +87,11 @@ def main():
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     print(device_idle(prof, args.steps))
     if args.trace:
-        prof.export_chrome_trace(args.trace)
-
+        prof.export_chrome_trace(f"{args.trace}.{batch}.json" if len(args.batch) > 1 else args.trace)
+    while not scheduler.is_finished():
+        llm.step()
+    print(f"batch {batch} done in {time.perf_counter() - begin:.1f} s", flush=True)
+    return per_step
 
 if __name__ == "__main__":
     main()
