@@ -182,6 +182,19 @@ def test_decode_steps_through_the_fused_kernels_match_hf(tiny_model, hf_model, s
     assert fused_kinds == {(True, False, False), (False, False, True), (True, True, False)}, fused_kinds
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
+@pytest.mark.parametrize("family", ["llama-linear-rope-biases", "qwen3-moe-sparse-step-and-dense-layers"])
+def test_other_families_decode_through_it(tmp_path, skinny_calls, family):
+    """Biases on every projection (Llama with attention_bias and mlp_bias), and mixture-of-experts layers beside
+    dense ones (whose MLP the kernel does not take: its norm and residual stay with the torch layers): greedy
+    tokens as HF's, with the projections of each decode step on the skinny kernel."""
+    from nanovllm.utils.random_checkpoint import make_random_checkpoint
+    from tests.test_models import FAMILIES, check_against_hf
+    shape, overrides = FAMILIES[family]
+    check_against_hf(make_random_checkpoint(tmp_path / family, shape, **overrides))
+    assert {call[1:] for call in skinny_calls} >= {(True, False, False), (False, False, True)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_parts_race_free_on_gpu():
