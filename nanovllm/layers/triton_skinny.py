@@ -4,8 +4,8 @@ optional:
 - norm: RMSNorm of each row of x (its weight and eps), rounded to the model's dtype where `RMSNorm` rounds;
 - gated: w holds gate rows then up rows ([2N, K], a merged gate/up projection) and y = silu(gate) * up, [M, N];
 - residual: added to the product rounded to the model's dtype, as `residual + o_proj(x)` adds them.
-So a dense layer's MLP is two launches (norm + gate/up + silu, down + residual) where it was five (add + norm,
-gate/up, silu, down), and its attention takes two around the attention itself (norm + qkv, o_proj + residual).
+So a dense layer's projections and what surrounds them are four launches (norm + qkv, o_proj + residual, norm +
+gate/up + silu, down + residual) where they were seven (add + norm, qkv, o_proj, add + norm, gate/up, silu, down).
 
 Each program reads one block of w, BLOCK_N rows by BLOCK_K columns (and the matching up rows), against the rows
 of x padded to 16 for `tl.dot`. When K is longer than BLOCK_K, its parts write their float32 partial sums and

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.layers import triton_skinny
 from nanovllm.layers.activation import gated_activation
 from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.moe import SparseMoeBlock
-from nanovllm.layers import triton_skinny
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_inv_freq
 from nanovllm.layers.triton_rope_store import rope_store
 
@@ -75,8 +75,9 @@ class DecoderAttention(nn.Module):
     def project(self, positions: torch.Tensor, hidden_states: torch.Tensor, slot_mapping: torch.Tensor,
                 norm: RMSNorm | None = None):
         """The attention's inputs: q and k ([tokens, heads, head_dim]) normed and rotated, and v, projected from
-        hidden_states (from norm(hidden_states): the layer's input norm on the residual stream). Where the attention says `fused_store`, one kernel does the
-        q/k norms and rope and stores k and v at `slot_mapping`."""
+        hidden_states, or from norm(hidden_states) when given (the layer's input norm over the residual stream).
+        Where the attention says `fused_store`, one kernel does the q/k norms and rope and stores k and v at
+        `slot_mapping`."""
         qkv = self.qkv_proj(hidden_states, norm=norm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
