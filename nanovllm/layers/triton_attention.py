@@ -33,7 +33,7 @@ from nanovllm.layers import triton_kvstore
 from nanovllm.layers.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata
 
 from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton, triton_available
-from nanovllm.layers.triton_guard import num_sms as _num_sms, pdl_args
+from nanovllm.layers.triton_guard import dependent_start, num_sms as _num_sms, pdl_args
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -62,9 +62,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
         TILE_MAP: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PDL:  # dependent launch (`triton_skinny`): q and this step's keys are the previous kernels'
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        dependent_start(PDL)  # (`triton_skinny`): q and this step's keys are the previous kernels'
         work, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         q_tile, split = work // num_splits, work % num_splits
         if TILE_MAP:  # varlen in a CUDA graph: program `work` takes the (sequence, query tile) of the map's row
@@ -144,9 +142,7 @@ if triton is not None:
     def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
                              HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
                              PDL: tl.constexpr):
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        dependent_start(PDL)
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # token * num_heads + head
         splits = tl.arange(0, SPLITS_PAD)
         dims = tl.arange(0, DIM_PAD)
@@ -230,16 +226,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device) \
         if split else out
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device) if split else out
+    pdl = pdl_args(q.device)
     _attention_kernel[(num_splits, batch, kv_heads)](
         q, k_cache, v_cache, partial, lse, block_tables, context_lens, context_lens, context_lens,
         q.stride(0), q.stride(1), kv_heads * head_dim, head_dim, block_tables.stride(0),
         num_splits=num_splits, min_split_tokens=min_split_tokens, QUERY_TILE=1, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, TILE_MAP=False, num_warps=warps,
-        num_stages=stages, **args, **pdl_args(q.device))
+        num_stages=stages, **args, **pdl)
     if split:
         _merge_splits_kernel[(batch, num_heads)](
             partial, lse, out, num_splits, HEAD_DIM=head_dim, DIM_PAD=args["DIM_PAD"],
-            SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)), num_warps=4, **pdl_args(q.device))
+            SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)), num_warps=4, **pdl)
     return out
 
 

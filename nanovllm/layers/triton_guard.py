@@ -41,6 +41,18 @@ def pdl_launch(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
+if triton is not None:
+    @triton.jit
+    def dependent_start(PDL: tl.constexpr):
+        """The start of a kernel launched with `pdl_args` that reads the previous kernel's results at once: let the
+        next kernel launch, then wait for the previous one to finish."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+else:
+    dependent_start = None
+
+
 def pdl_args(device: torch.device) -> dict:
     """A launch's arguments for programmatic dependent launch: the kernels' PDL constexpr, which places their
     `gdc_wait`, and Triton's launch option where `pdl_launch` says so."""

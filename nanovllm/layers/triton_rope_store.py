@@ -18,7 +18,7 @@ One program per token handles every head, so a launch is a fixed grid that a CUD
 import torch
 
 from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX
-from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, pdl_args, tl, triton
+from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, dependent_start, pdl_args, tl, triton
 
 if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -55,9 +55,7 @@ if triton is not None:
         HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
         QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PDL:  # dependent launch (`triton_skinny`): q, k and v are the previous kernel's
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        dependent_start(PDL)  # (`triton_skinny`): q, k and v are the previous kernel's
         token = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a cache can exceed 2**31 elements
         half = HEAD_DIM // 2
         position = tl.load(positions_ptr + token).to(tl.int64)
