@@ -138,7 +138,8 @@ def sweep(args):
     """Alternatives to the kernel's tuned choices, each beside the default, on the shapes that stress it
     (`--sweep fp8`: the FP8 tiles across the table's shapes; `--sweep short`: bf16 tiles for short contexts)."""
     fp16, bf16 = torch.float16, torch.bfloat16
-    cases = fp8_tile_cases() if args.sweep == "fp8" else short_tile_cases() if args.sweep == "short" else [  # (batch, context, fp8, overrides)
+    named = {"fp8": fp8_tile_cases, "short": short_tile_cases}
+    cases = named[args.sweep]() if args.sweep in named else [  # (batch, context, fp8, overrides)
         *[(256, 1024, True, dict(kv_tile=t, num_warps=w, num_stages=3, compute_dtype=c))
           for c in (fp16, bf16) for t, w in ((128, 4), (64, 4), (64, 2), (128, 8))],
         *[(b, c, False, dict(kv_tile=t, num_warps=w, num_stages=st)) for b, c in ((8, 16384), (32, 16384), (4, 4096))

@@ -93,5 +93,6 @@ def profile_batch(llm, batch: int, args) -> float:
     print(f"batch {batch} done in {time.perf_counter() - begin:.1f} s", flush=True)
     return per_step
 
+
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ same run. `--sweep` times every tile of SWEEP too and lists the best three.
     python benchmarks/skinny_gemm.py [--rows 1 8 16 32] [--sweep]
 """
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -101,16 +102,12 @@ def main():
             results = []
             for config in SWEEP:
                 try:
-                    results.append((chain_us(partial_skinny(skinny, config)), config))
+                    results.append((chain_us(functools.partial(skinny, config=config)), config))
                 except Exception as e:  # a tile that does not fit (shared memory, registers)
                     print(f"  {name} {m} {config}: {type(e).__name__}", file=sys.stderr)
             best = sorted(results)[:3]
             line += " " + "; ".join(f"{us:.2f} {c}" for us, c in best) + " |"
         print(line + " |" if not args.sweep else line, flush=True)
-
-
-def partial_skinny(skinny, config):
-    return lambda i: skinny(i, config)
 
 
 if __name__ == "__main__":

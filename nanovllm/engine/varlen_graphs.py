@@ -54,13 +54,13 @@ class VarlenGraphs:
         self.query_tile = varlen_query_tile(attn.num_heads // attn.num_kv_heads)
         self.max_model_len = max_model_len
         n, seqs = self.sizes[-1], self.seqs(self.sizes[-1])
-        self.max_blocks = max_model_len // block_size + 1
+        max_blocks = max_model_len // block_size + 1  # as the decode graphs'
         self.inputs = StaticInputs([
             ("input_ids", np.int64, (n,)), ("positions", np.int64, (n,)), ("slot_mapping", np.int64, (n,)),
             ("pending_rows", np.int64, (n,)), ("cu_seqlens_q", np.int32, (seqs + 1,)),
             ("context_lens", np.int32, (seqs,)), ("logits_indices", np.int64, (seqs,)),
             ("temperatures", np.float32, (seqs,)), ("tile_map", np.int32, (self.tiles(n), 2)),
-            ("block_tables", np.int32, (seqs, self.max_blocks))], device)
+            ("block_tables", np.int32, (seqs, max_blocks))], device)
         v = self.inputs.vars
         v["slot_mapping"].fill_(-1)
         v["pending_rows"].fill_(-1)
