@@ -75,6 +75,51 @@ def test_plan_covers_every_k():
         assert warps in (4, 8)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
+    """A qkv projection with its rope and KV store in the epilogue (`rope`): the q columns as the projection, the
+    head norms and rope would give them, k and v as projected, and the cache as the unfused store leaves it
+    (padding slots untouched); heads of 32 and 64, any GQA ratio, biases, the layer's norm, q/k norms, an FP8
+    cache with scales, K in one part or several."""
+    import random
+    from tests.test_triton_attention import assert_stored_as
+    from tests.test_triton_rope_store import case, unfused
+    rng = random.Random(seed)
+    num_kv_heads, head_dim = rng.choice([1, 2]), rng.choice([32, 64])
+    num_heads = num_kv_heads * rng.choice([1, 2, 3])
+    qk_norm, fp8, bias, norm = seed % 2 == 0, seed % 3 == 2, seed % 4 < 2, seed < 3
+    if fp8 and not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 here")
+    m, k = rng.randint(2, 7), rng.choice([48, 200])
+    _, _, _, positions, rope, q_norm, k_norm, caches, slots, (k_scale, v_scale) = case(
+        seed, torch.float32, num_heads, num_kv_heads, head_dim, qk_norm, fp8, num_tokens=m)
+    gen = torch.Generator().manual_seed(seed)
+    n = (num_heads + 2 * num_kv_heads) * head_dim
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k ** 0.5
+    b = torch.randn(n, generator=gen) if bias else None
+    norm_weight = torch.rand(k, generator=gen) + 0.5 if norm else None
+    qkv = reference(x, w, b, norm_weight).float().to(DEVICE)
+    q, kk, v = (t.view(m, -1, head_dim) for t in qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                                                           num_kv_heads * head_dim], -1))
+    expected_caches = [c.clone() for c in caches]
+    expected_q = unfused(q, kk, v, positions, rope, q_norm, k_norm, *expected_caches, slots, k_scale, v_scale)
+    args = triton_skinny.RopeStoreArgs(positions, rope.cos_sin_cache, q_norm.weight if qk_norm else None,
+                                       k_norm.weight if qk_norm else None, 1e-6, *caches, slots, k_scale, v_scale)
+    for block_k in (256, 32):
+        out = triton_skinny.skinny_linear(x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE),
+                                          norm=None if norm_weight is None else (norm_weight.to(DEVICE), EPS),
+                                          rope=args, config=(head_dim // 2, block_k, 4))
+        got_q = out[:, :num_heads * head_dim].reshape(m, num_heads, head_dim)
+        torch.testing.assert_close(got_q, expected_q, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[:, num_heads * head_dim:], qkv[:, num_heads * head_dim:], atol=1e-4, rtol=1e-4)
+        for cache, want in zip(caches, expected_caches):  # the padding slot (-1) stores nothing
+            if fp8 and DEVICE.type == "cpu":
+                assert_stored_as(cache, want)
+            else:  # an FP8 value that a 1e-7 difference tips to its neighbour: one FP8 step (1/8) away
+                torch.testing.assert_close(cache.float(), want.float(), atol=1e-4, rtol=0.13 if fp8 else 1e-4)
+    assert not triton_skinny._counters[out.device].any()
+
+
 @pytest.fixture
 def skinny_calls(monkeypatch):
     """The skinny path on, on this device, as on an H200 (dependent launches, so wide products too), with (shape of
@@ -86,7 +131,8 @@ def skinny_calls(monkeypatch):
     skinny = triton_skinny.skinny_linear
 
     def spy(x, w, bias=None, **kw):
-        calls.append((tuple(x.shape), kw["norm"] is not None, kw["gated"], kw["residual"] is not None))
+        calls.append((tuple(x.shape), kw.get("norm") is not None, kw.get("gated", False),
+                      kw.get("residual") is not None))
         return skinny(x, w, bias, **kw)
     monkeypatch.setattr(triton_skinny, "skinny_linear", spy)
     return calls
@@ -195,6 +241,29 @@ def test_other_families_decode_through_it(tmp_path, skinny_calls, family):
     assert {call[1:] for call in skinny_calls} >= {(True, False, False), (False, False, True)}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
+@pytest.mark.parametrize("family", ["tiny", "llama-linear-rope-biases"])
+def test_decode_steps_with_rope_in_the_projection_match_hf(tmp_path, skinny_calls, monkeypatch, family):
+    """The decoder's fused rope and KV store (as the Triton backends have it; here the torch backend reads the
+    cache they fill) moved into the qkv projection for decode steps: q/k norms and the layer's norm (Qwen3), biases
+    without q/k norms (Llama); heads of 32. Greedy tokens as HF's, teacher-forced, and every decode step's qkv
+    took the fused epilogue."""
+    from nanovllm.layers.attention import TorchBackend
+    from nanovllm.utils.random_checkpoint import make_random_checkpoint
+    from tests.test_models import FAMILIES, check_against_hf
+    monkeypatch.setattr(TorchBackend, "fuses_rope_store", True)
+    ropes = []
+    skinny = triton_skinny.skinny_linear
+
+    def spy(x, w, bias=None, **kw):
+        ropes.append((x.size(0), kw.get("rope") is not None))
+        return skinny(x, w, bias, **kw)
+    monkeypatch.setattr(triton_skinny, "skinny_linear", spy)
+    shape, overrides = FAMILIES.get(family, ("tiny", {}))
+    check_against_hf(make_random_checkpoint(tmp_path / family, shape, **dict(overrides, head_dim=32)))
+    assert sum(rope for _, rope in ropes) >= 2 * 5  # two layers, five decode steps at least
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_parts_race_free_on_gpu():
@@ -215,17 +284,34 @@ def test_parts_race_free_on_gpu():
 
 
 def test_kernels_compile_for_sm90():
+    """Plain, split, gated and residual variants, and qkv with its rope and store (q/k norms into a bf16 cache
+    in parts; biases into an FP8 cache in one part, 14 heads over 2)."""
     signature = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", norm_ptr="*bf16", res_ptr="*bf16",
                      out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", M="i32", N="i32", K="i32",
-                     x_stride="i32", w_stride="i32", res_stride="i32", eps="fp32", parts="i32")
+                     x_stride="i32", w_stride="i32", res_stride="i32", eps="fp32", parts="i32", qk_eps="fp32",
+                     k_scale="fp32", v_scale="fp32")
+    signature.update(dict.fromkeys(("positions_ptr", "cos_sin_ptr", "slot_ptr", "q_weight_ptr", "k_weight_ptr",
+                                    "k_cache_ptr", "v_cache_ptr"), "*bf16"))  # x stands in where there's no rope
+    rope_signature = dict(signature, positions_ptr="*i64", cos_sin_ptr="*fp32", slot_ptr="*i64")
+    no_rope = dict(ROPE=False, NUM_HEADS=0, NUM_KV_HEADS=0, QK_NORM=False, QUANTIZE=False)
     cases = []
-    for block_m, block_n, block_k, flags in [(16, 16, 1024, (False, True, False, True, False, True)),
-                                             (32, 32, 512, (True, True, True, False, True, True)),
-                                             (16, 16, 1024, (False, False, False, True, True, True)),
-                                             (16, 32, 256, (True, False, False, False, False, False))]:
+    for block_m, block_n, block_k, flags, rope in [
+            (16, 16, 1024, (False, True, False, True, False, True), no_rope),
+            (32, 32, 512, (True, True, True, False, True, True), no_rope),
+            (16, 16, 1024, (False, False, False, True, True, True), no_rope),
+            (16, 32, 256, (True, False, False, False, False, False), no_rope),
+            (16, 64, 256, (False, True, False, False, True, True),
+             dict(ROPE=True, NUM_HEADS=16, NUM_KV_HEADS=8, QK_NORM=True, QUANTIZE=False)),
+            (32, 64, 1024, (True, False, False, False, False, False),
+             dict(ROPE=True, NUM_HEADS=14, NUM_KV_HEADS=2, QK_NORM=False, QUANTIZE=True))]:
         bias, norm, gated, residual, split, pdl = flags
-        cases.append(("nanovllm.layers.triton_skinny", "_skinny_kernel", signature,
+        sig = signature
+        if rope["ROPE"]:
+            cache, weights = "fp8e4nv" if rope["QUANTIZE"] else "bf16", "bf16" if rope["QK_NORM"] else "fp32"
+            sig = dict(rope_signature, k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", q_weight_ptr=f"*{weights}",
+                       k_weight_ptr=f"*{weights}")
+        cases.append(("nanovllm.layers.triton_skinny", "_skinny_kernel", sig,
                       dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, NORM=norm,
-                           GATED=gated, RESIDUAL=residual, SPLIT=split, PDL=pdl, DOT_PRECISION="tf32"),
-                      dict(num_warps=4, num_stages=1)))
+                           GATED=gated, RESIDUAL=residual, SPLIT=split, PDL=pdl, DOT_PRECISION="tf32", **rope),
+                      dict(num_warps=8 if rope["ROPE"] else 4, num_stages=1)))
     compile_for_sm90(cases)

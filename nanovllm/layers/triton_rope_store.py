@@ -15,6 +15,8 @@ rope), so the results differ from theirs only by the order of float32 sums: at m
 place of the model's dtype, now and then.
 One program per token handles every head, so a launch is a fixed grid that a CUDA graph can capture.
 """
+from typing import NamedTuple
+
 import torch
 
 from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX
@@ -91,6 +93,21 @@ if triton is not None:
             tl.store(k_cache_ptr + kv_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
             tl.store(v_cache_ptr + kv_dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
             tl.store(v_cache_ptr + kv_dst + half, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+class RopeStoreArgs(NamedTuple):
+    """`rope_store`'s arguments after q, k and v, as a layer passes them on (`rope_store(q, k, v, *args)`, or to
+    the qkv projection that does the same in its epilogue: `triton_skinny`)."""
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: float
+    v_scale: float
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

@@ -3,12 +3,15 @@ y = act(norm(x) @ w.T + bias) + residual for x [M, K] with M <= MAX_ROWS, w [N, 
 optional:
 - norm: RMSNorm of each row of x (its weight and eps), rounded to the model's dtype where `RMSNorm` rounds;
 - gated: w holds gate rows then up rows ([2N, K], a merged gate/up projection) and y = silu(gate) * up, [M, N];
-- residual: added to the product rounded to the model's dtype, as `residual + o_proj(x)` adds them.
-So a dense layer's projections and what surrounds them are four launches (norm + qkv, o_proj + residual, norm +
-gate/up + silu, down + residual) where they were seven (add + norm, qkv, o_proj, add + norm, gate/up, silu, down).
+- residual: added to the product rounded to the model's dtype, as `residual + o_proj(x)` adds them;
+- rope: w is a qkv projection, and what `triton_rope_store` does after it (q/k norms, rope, the KV store) is
+  done here: a program takes the two halves of one head, and the last of its parts finishes the head.
+So a dense layer's projections and what surrounds them are four launches (norm + qkv + rope + store, o_proj +
+residual, norm + gate/up + silu, down + residual) where they were eight (add + norm, qkv, rope + store, o_proj,
+add + norm, gate/up, silu, down).
 
-Each program reads one block of w, BLOCK_N rows by BLOCK_K columns (and the matching up rows), against the rows
-of x padded to 16 for `tl.dot`. When K is longer than BLOCK_K, its parts write their float32 partial sums and
+Each program reads one block of w, BLOCK_N rows by BLOCK_K columns (and the matching up rows, or the head's
+other half), against the rows of x padded to 16 for `tl.dot`. When K is longer than BLOCK_K, its parts write their float32 partial sums and
 the program that finishes last for a block of columns (a counter per block, which it resets to 0) adds them up
 and applies the rest; one launch either way. The grid depends on M, N and K only, so a CUDA graph of a batch
 size captures it.
@@ -22,19 +25,25 @@ and store take part in the same way.
 
 On the H200, in Qwen3-0.6B's shapes (`benchmarks/skinny_gemm.py`), cuBLAS reads the weights of these small
 products slowly (o_proj 5.8-6.1 us a layer at 8-32 rows for 4 MB that need 1 us at copy bandwidth).
-NANOVLLM_SKINNY_GEMM=0 turns the kernel off, NANOVLLM_PDL=0 the dependent launches, for comparison.
+NANOVLLM_SKINNY_GEMM=0 turns the kernel off, NANOVLLM_SKINNY_ROPE=0 its rope and store (then a kernel of its own),
+NANOVLLM_PDL=0 the dependent launches, for comparison.
 """
 import os
 
 import torch
 
+from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX
 from nanovllm.layers.triton_guard import pdl_args, pdl_launch, tl, triton
+from nanovllm.layers.triton_rope_store import RopeStoreArgs
 
 MAX_ROWS = 32
 ENABLED = os.environ.get("NANOVLLM_SKINNY_GEMM", "1") == "1"
+ROPE = os.environ.get("NANOVLLM_SKINNY_ROPE", "1") == "1"
 DEVICE_TYPE = "cuda"  # on CPU (tests under the interpreter call it directly) F.linear is the faster
 
 if triton is not None:
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+
     @triton.jit
     def _epilogue(acc, acc_up, bias_ptr, res_ptr, out_ptr, rows, cols, N, res_stride, mask,
                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
@@ -52,14 +61,75 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(dtype), mask=mask)
 
     @triton.jit
+    def _rope_epilogue(x1, x2, bias_ptr, out_ptr, rows, cols, head, N, row_mask, positions_ptr, cos_sin_ptr,
+                       slot_ptr, q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr, eps, k_scale, v_scale,
+                       HAS_BIAS: tl.constexpr, HALF: tl.constexpr, NUM_HEADS: tl.constexpr,
+                       NUM_KV_HEADS: tl.constexpr, QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr):
+        """One head of one token per row, x1 and x2 its two halves (float32 sums): q and k normed (QK_NORM) and
+        rotated, q written to out, k and v stored in the cache at the row's slot as `triton_rope_store` does (and
+        to out as projected)."""
+        dtype = out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            x1 += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+            x2 += tl.load(bias_ptr + cols + HALF).to(tl.float32)[None, :]
+        x1 = x1.to(dtype).to(tl.float32)  # the projection's output
+        x2 = x2.to(dtype).to(tl.float32)
+        out = out_ptr + rows[:, None] * N + cols[None, :]
+        if head >= NUM_HEADS:  # k and v also as projected (the q/k/v split's k and v; the cache holds their own)
+            tl.store(out, x1.to(dtype), mask=row_mask[:, None])
+            tl.store(out + HALF, x2.to(dtype), mask=row_mask[:, None])
+        if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: norm and rope
+            if QK_NORM:
+                weight_ptr = q_weight_ptr if head < NUM_HEADS else k_weight_ptr
+                rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+                c = tl.arange(0, HALF)
+                w1 = tl.load(weight_ptr + c).to(tl.float32)[None, :]
+                w2 = tl.load(weight_ptr + HALF + c).to(tl.float32)[None, :]
+                x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            position = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            angles = cos_sin_ptr + position[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+            cos, sin = tl.load(angles), tl.load(angles + HALF)
+            x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        if head < NUM_HEADS:
+            tl.store(out, x1.to(dtype), mask=row_mask[:, None])
+            tl.store(out + HALF, x2.to(dtype), mask=row_mask[:, None])
+        else:
+            is_k = head < NUM_HEADS + NUM_KV_HEADS
+            cache_ptr = k_cache_ptr if is_k else v_cache_ptr
+            scale = k_scale if is_k else v_scale
+            kv_head = head - NUM_HEADS if is_k else head - NUM_HEADS - NUM_KV_HEADS
+            y1 = x1.to(dtype)  # the key rounded after rope, as the unfused rope returns it
+            y2 = x2.to(dtype)
+            if QUANTIZE:  # div_rn, not the approximate division, so the bits match torch's
+                y1 = tl.minimum(tl.maximum(tl.math.div_rn(y1.to(tl.float32), scale), -_FP8_MAX), _FP8_MAX)
+                y2 = tl.minimum(tl.maximum(tl.math.div_rn(y2.to(tl.float32), scale), -_FP8_MAX), _FP8_MAX)
+            slot = tl.load(slot_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+            dst = cache_ptr + (slot[:, None] * NUM_KV_HEADS + kv_head) * (2 * HALF) + tl.arange(0, HALF)[None, :]
+            store = (row_mask & (slot >= 0))[:, None]
+            tl.store(dst, y1.to(cache_ptr.dtype.element_ty), mask=store)
+            tl.store(dst + HALF, y2.to(cache_ptr.dtype.element_ty), mask=store)
+
+    @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, out_ptr, partial_ptr, counter_ptr,
                        M, N, K, x_stride, w_stride, res_stride, eps, parts,
+                       positions_ptr, cos_sin_ptr, slot_ptr, q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr,
+                       qk_eps, k_scale, v_scale,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                       SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       ROPE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                       QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr):
         pid_n, part = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # a second block of w beside the first: up's rows (GATED), or the second half of the head (ROPE: a
+        # program takes one head, BLOCK_N its half)
+        if ROPE:
+            cols = pid_n * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+            pair = BLOCK_N
+        else:
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            pair = N
         ks = part * BLOCK_K + tl.arange(0, BLOCK_K)
         row_mask, col_mask, k_mask = rows < M, cols < N, ks < K
         w_block = w_ptr + cols.to(tl.int64)[:, None] * w_stride + ks[None, :]
@@ -67,8 +137,8 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         w = tl.load(w_block, mask=w_mask, other=0.0)
-        if GATED:
-            w_up = tl.load(w_block + N * w_stride, mask=w_mask, other=0.0)
+        if GATED or ROPE:
+            w_up = tl.load(w_block + pair * w_stride, mask=w_mask, other=0.0)
         if PDL:  # x and the residual are the previous kernel's: wait for it to finish
             tl.extra.cuda.gdc_wait()
         x_rows = x_ptr + rows[:, None] * x_stride
@@ -87,38 +157,46 @@ if triton is not None:
             x = (weight[None, :] * (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
         acc = tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         acc_up = acc
-        if GATED:
+        if GATED or ROPE:
             acc_up = tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
         mask = row_mask[:, None] & col_mask[None, :]
+        last = True  # whether this program applies the rest: each one, or the last part of a block of columns
         if SPLIT:
             width = 2 * N if GATED else N
             partials = partial_ptr + rows[:, None] * width + cols[None, :]  # [parts, BLOCK_M, width] float32
             tl.store(partials + part * BLOCK_M * width, acc, mask=mask)
-            if GATED:
-                tl.store(partials + part * BLOCK_M * width + N, acc_up, mask=mask)
+            if GATED or ROPE:
+                tl.store(partials + part * BLOCK_M * width + pair, acc_up, mask=mask)
             tl.debug_barrier()  # every thread's partial sums are written before the counter says so
-            if tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == parts - 1:
+            last = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == parts - 1
+            if last:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for p in range(parts):  # ".cg": from L2, where the other programs' stores are
                     acc += tl.load(partials + p * BLOCK_M * width, mask=mask, other=0.0, cache_modifier=".cg")
-                    if GATED:
-                        acc_up += tl.load(partials + p * BLOCK_M * width + N, mask=mask, other=0.0,
+                    if GATED or ROPE:
+                        acc_up += tl.load(partials + p * BLOCK_M * width + pair, mask=mask, other=0.0,
                                           cache_modifier=".cg")
                 tl.store(counter_ptr + pid_n, 0)  # ready for the next launch
+        if last:
+            if ROPE:
+                _rope_epilogue(acc, acc_up, bias_ptr, out_ptr, rows, cols, pid_n, N, row_mask, positions_ptr,
+                               cos_sin_ptr, slot_ptr, q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr, qk_eps,
+                               k_scale, v_scale, HAS_BIAS, BLOCK_N, NUM_HEADS, NUM_KV_HEADS, QK_NORM, QUANTIZE)
+            else:
                 _epilogue(acc, acc_up, bias_ptr, res_ptr, out_ptr, rows, cols, N, res_stride, mask,
                           HAS_BIAS, GATED, RESIDUAL)
-        else:
-            _epilogue(acc, acc_up, bias_ptr, res_ptr, out_ptr, rows, cols, N, res_stride, mask,
-                      HAS_BIAS, GATED, RESIDUAL)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-def plan(block_m: int, k: int, gated: bool) -> tuple[int, int, int]:
+def plan(block_m: int, k: int, gated: bool, head_dim: int = 0) -> tuple[int, int, int]:
     """(block_n, block_k, num_warps), the fastest tiles of `benchmarks/skinny_gemm.py --sweep` on an H200 in
-    Qwen3-0.6B's shapes (K 1024 for qkv and gate/up, 2048 for o_proj, 3072 for down) at 16 and 32 rows."""
+    Qwen3-0.6B's shapes (K 1024 for qkv and gate/up, 2048 for o_proj, 3072 for down) at 16 and 32 rows. With
+    rope (head_dim), a program takes half a head twice (one head) and 32K weights, as the plain qkv tiles do."""
+    if head_dim:
+        return head_dim // 2, min(32768 // head_dim, triton.next_power_of_2(k)), 8
     if gated:
         return (32, 512, 4) if block_m <= 16 else (64, 256, 4)
     if k <= 1024:
@@ -139,6 +217,12 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
             and (w.size(0) < w.size(1) or pdl_launch(x.device)))
 
 
+def fuses_rope(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
+    """Whether skinny_linear takes this qkv projection with its rope and KV store: it `fits`, and half a head is
+    a power of two that `tl.dot` takes (16 or more)."""
+    return ROPE and fits(x, w) and head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
 def _counter(device: torch.device, blocks: int) -> torch.Tensor:
     """Zeros, one per block of columns, that every launch leaves at zero (first allocated by the warm-up's eager
     steps, before any CUDA graph is captured)."""
@@ -150,18 +234,33 @@ def _counter(device: torch.device, blocks: int) -> torch.Tensor:
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                   norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
-                  residual: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, rope: RopeStoreArgs | None = None,
                   config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """act(norm(x) @ w.T + bias) + residual as the module docstring says: [M, N] in x's dtype, N = w's rows (half
-    of them when gated). norm: (weight [K], eps). `config` (block_n, block_k, num_warps) overrides `plan`
-    (tests, benchmarks)."""
+    of them when gated). norm: (weight [K], eps). rope: w is a qkv projection (q heads, then k, then v, of the
+    cache's head_dim); its q columns come out normed and rotated, and k and v also go to the cache, as
+    `triton_rope_store.rope_store(q, k, v, *rope)` does. `config` (block_n, block_k, num_warps) overrides
+    `plan` (tests, benchmarks)."""
     m, k = x.shape
     n = w.size(0) // 2 if gated else w.size(0)
     assert w.size(1) == k and m <= MAX_ROWS and (not gated or w.size(0) == 2 * n)
     assert residual is None or (residual.shape == (m, n) and residual.stride(1) == 1)
     block_m = max(16, triton.next_power_of_2(m))
-    block_n, block_k, warps = config or plan(block_m, k, gated)
-    blocks, parts = -(-n // block_n), -(-k // block_k)
+    if rope is None:
+        rope_args, num_kv_heads, head_dim, quantize = (x,) * 7 + (0.0, 1.0, 1.0), 0, 0, False
+    else:  # internal invariants: the decoder's layers and the model runner's cache
+        assert not gated and residual is None and rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
+        num_kv_heads, head_dim = rope.k_cache.shape[2:]
+        assert n % head_dim == 0 and rope.cos_sin.dtype == torch.float32 and rope.cos_sin.is_contiguous()
+        assert rope.slot_mapping.shape == rope.positions.shape == (m,)
+        assert (rope.q_weight is None) == (rope.k_weight is None)
+        quantize = rope.k_cache.dtype == FP8_DTYPE
+        weights = (rope.q_weight, rope.k_weight) if rope.q_weight is not None else (rope.cos_sin,) * 2  # (unread)
+        rope_args = (rope.positions, rope.cos_sin, rope.slot_mapping, *weights, rope.k_cache, rope.v_cache, rope.eps,
+                     rope.k_scale, rope.v_scale)
+    block_n, block_k, warps = config or plan(block_m, k, gated, head_dim)
+    assert rope is None or block_n == head_dim // 2
+    blocks, parts = (n // head_dim if rope else -(-n // block_n)), -(-k // block_k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     split = parts > 1
     partial = torch.empty(parts, block_m, 2 * n if gated else n, dtype=torch.float32, device=x.device) \
@@ -170,8 +269,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     _skinny_kernel[(blocks, parts)](
         x, w, bias if bias is not None else out, norm_weight, residual if residual is not None else out, out,
         partial, _counter(x.device, blocks) if split else out, m, n, k, x.stride(0), w.stride(0),
-        residual.stride(0) if residual is not None else 0, eps, parts, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None, GATED=gated,
+        residual.stride(0) if residual is not None else 0, eps, parts, *rope_args, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None, GATED=gated,
         RESIDUAL=residual is not None, SPLIT=split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        ROPE=rope is not None, NUM_HEADS=n // head_dim - 2 * num_kv_heads if rope else 0, NUM_KV_HEADS=num_kv_heads,
+        QK_NORM=rope is not None and rope.q_weight is not None, QUANTIZE=quantize,
         num_warps=warps, num_stages=1, **pdl_args(x.device))
     return out

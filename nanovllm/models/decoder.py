@@ -19,7 +19,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.moe import SparseMoeBlock
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_inv_freq
-from nanovllm.layers.triton_rope_store import rope_store
+from nanovllm.layers.triton_rope_store import RopeStoreArgs, rope_store
 
 MOE_ACTIVATIONS = ("silu", "swish")  # the fused kernel computes silu(gate) * up
 
@@ -77,18 +77,24 @@ class DecoderAttention(nn.Module):
         """The attention's inputs: q and k ([tokens, heads, head_dim]) normed and rotated, and v, projected from
         hidden_states, or from norm(hidden_states) when given (the layer's input norm over the residual stream).
         Where the attention says `fused_store`, one kernel does the q/k norms and rope and stores k and v at
-        `slot_mapping`."""
-        qkv = self.qkv_proj(hidden_states, norm=norm)
+        `slot_mapping`: the projection's own where it takes few rows (`triton_skinny.fuses_rope`), else the next."""
+        attn, proj = self.attn, self.qkv_proj
+        store = None
+        if attn.fused_store:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            store = RopeStoreArgs(positions, self.rotary_emb.cos_sin_cache, *norms, attn.k_cache, attn.v_cache,
+                                  slot_mapping, attn.k_scale, attn.v_scale)
+        in_projection = store is not None and triton_skinny.fuses_rope(hidden_states, proj.weight, self.head_dim)
+        if in_projection:
+            qkv = triton_skinny.skinny_linear(hidden_states, proj.weight, proj.bias, rope=store,
+                                              norm=None if norm is None else (norm.weight, norm.eps))
+        else:
+            qkv = proj(hidden_states, norm=norm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        attn = self.attn
-        if attn.fused_store:
-            q = rope_store(q, k, v, positions, self.rotary_emb.cos_sin_cache,
-                           self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
-                           self.q_norm.eps if self.qk_norm else 0.0, attn.k_cache, attn.v_cache, slot_mapping,
-                           attn.k_scale, attn.v_scale)
-            return q, k, v
+        if store is not None:
+            return (q if in_projection else rope_store(q, k, v, *store)), k, v
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
