@@ -312,6 +312,7 @@ def test_kernels_compile_for_sm90():
                        k_weight_ptr=f"*{weights}")
         cases.append(("nanovllm.layers.triton_skinny", "_skinny_kernel", sig,
                       dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, NORM=norm,
-                           GATED=gated, RESIDUAL=residual, SPLIT=split, PDL=pdl, DOT_PRECISION="tf32", **rope),
+                           GATED=gated, RESIDUAL=residual, SPLIT=split, NORM_PARTS=4 if split and norm else 1,
+                           PDL=pdl, DOT_PRECISION="tf32", **rope),
                       dict(num_warps=8 if rope["ROPE"] else 4, num_stages=1)))
     compile_for_sm90(cases)

@@ -62,25 +62,29 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
         TILE_MAP: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
-        dependent_start(PDL)  # (`triton_skinny`): q and this step's keys are the previous kernels'
+        # (`triton_skinny`): the step's metadata is the host's, which no kernel writes: read it while the previous
+        # kernel ends; q and this step's keys are the previous kernels', read after the wait
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         work, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         q_tile, split = work // num_splits, work % num_splits
         if TILE_MAP:  # varlen in a CUDA graph: program `work` takes the (sequence, query tile) of the map's row
             seq = tl.load(tile_map_ptr + 2 * work)
             q_tile = tl.load(tile_map_ptr + 2 * work + 1)
-            if seq < 0:  # a row past the step's tiles
-                return
+        row_seq = tl.maximum(seq, 0)  # a map row past the step's tiles (-1) reads sequence 0's and ends below
         if DECODE:
             q_begin, query_len = seq, 1
         else:
-            q_begin = tl.load(cu_seqlens_q_ptr + seq)
-            query_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
-        if q_tile * QUERY_TILE >= query_len:
-            return
+            q_begin = tl.load(cu_seqlens_q_ptr + row_seq)
+            query_len = tl.load(cu_seqlens_q_ptr + row_seq + 1) - q_begin
         if PAGED:
-            context_len = tl.load(context_lens_ptr + seq)
+            context_len = tl.load(context_lens_ptr + row_seq)
         else:  # the keys are this step's own tokens
             context_len = query_len
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        if (seq < 0) | (q_tile * QUERY_TILE >= query_len):
+            return
 
         # row r holds query token q_tile * QUERY_TILE + r // GROUP_PAD, head kv_head * GROUP + r % GROUP_PAD
         rows = tl.arange(0, ROWS)

@@ -61,13 +61,13 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(dtype), mask=mask)
 
     @triton.jit
-    def _rope_epilogue(x1, x2, bias_ptr, out_ptr, rows, cols, head, N, row_mask, positions_ptr, cos_sin_ptr,
-                       slot_ptr, q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr, eps, k_scale, v_scale,
+    def _rope_epilogue(x1, x2, bias_ptr, out_ptr, rows, cols, head, N, row_mask, cos, sin, slot,
+                       q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr, eps, k_scale, v_scale,
                        HAS_BIAS: tl.constexpr, HALF: tl.constexpr, NUM_HEADS: tl.constexpr,
                        NUM_KV_HEADS: tl.constexpr, QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr):
         """One head of one token per row, x1 and x2 its two halves (float32 sums): q and k normed (QK_NORM) and
-        rotated, q written to out, k and v stored in the cache at the row's slot as `triton_rope_store` does (and
-        to out as projected)."""
+        rotated (by each row's cos and sin), q written to out, k and v stored in the cache at the row's slot as
+        `triton_rope_store` does (and to out as projected)."""
         dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
             x1 += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
@@ -87,9 +87,6 @@ if triton is not None:
                 w2 = tl.load(weight_ptr + HALF + c).to(tl.float32)[None, :]
                 x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
                 x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            position = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-            angles = cos_sin_ptr + position[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
-            cos, sin = tl.load(angles), tl.load(angles + HALF)
             x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         if head < NUM_HEADS:
             tl.store(out, x1.to(dtype), mask=row_mask[:, None])
@@ -104,7 +101,6 @@ if triton is not None:
             if QUANTIZE:  # div_rn, not the approximate division, so the bits match torch's
                 y1 = tl.minimum(tl.maximum(tl.math.div_rn(y1.to(tl.float32), scale), -_FP8_MAX), _FP8_MAX)
                 y2 = tl.minimum(tl.maximum(tl.math.div_rn(y2.to(tl.float32), scale), -_FP8_MAX), _FP8_MAX)
-            slot = tl.load(slot_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
             dst = cache_ptr + (slot[:, None] * NUM_KV_HEADS + kv_head) * (2 * HALF) + tl.arange(0, HALF)[None, :]
             store = (row_mask & (slot >= 0))[:, None]
             tl.store(dst, y1.to(cache_ptr.dtype.element_ty), mask=store)
@@ -117,7 +113,8 @@ if triton is not None:
                        qk_eps, k_scale, v_scale,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                       SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       SPLIT: tl.constexpr, NORM_PARTS: tl.constexpr, PDL: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr,
                        ROPE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                        QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr):
         pid_n, part = tl.program_id(0), tl.program_id(1)
@@ -139,21 +136,28 @@ if triton is not None:
         w = tl.load(w_block, mask=w_mask, other=0.0)
         if GATED or ROPE:
             w_up = tl.load(w_block + pair * w_stride, mask=w_mask, other=0.0)
+        # what no kernel writes (norm weight; the host's positions and slots, the cos/sin table) before the wait too
+        if NORM:
+            weight = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        if ROPE:
+            position = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            angles = cos_sin_ptr + position[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :]
+            cos, sin = tl.load(angles), tl.load(angles + BLOCK_N)
+            slot = tl.load(slot_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
         if PDL:  # x and the residual are the previous kernel's: wait for it to finish
             tl.extra.cuda.gdc_wait()
         x_rows = x_ptr + rows[:, None] * x_stride
         x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if NORM:
-            if SPLIT:  # the sum of squares needs the whole row
+            if SPLIT:  # the sum of squares needs the whole row: its parts' loads unrolled, so issued at once
                 squares = tl.zeros([BLOCK_M], tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    k = k0 + tl.arange(0, BLOCK_K)
+                for chunk in tl.static_range(NORM_PARTS):
+                    k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
                     xk = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
                     squares += tl.sum(xk.to(tl.float32) * xk.to(tl.float32), 1)
             else:
                 squares = tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
             rstd = tl.math.rsqrt(squares / K + eps)
-            weight = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             x = (weight[None, :] * (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
         acc = tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         acc_up = acc
@@ -180,9 +184,9 @@ if triton is not None:
                 tl.store(counter_ptr + pid_n, 0)  # ready for the next launch
         if last:
             if ROPE:
-                _rope_epilogue(acc, acc_up, bias_ptr, out_ptr, rows, cols, pid_n, N, row_mask, positions_ptr,
-                               cos_sin_ptr, slot_ptr, q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr, qk_eps,
-                               k_scale, v_scale, HAS_BIAS, BLOCK_N, NUM_HEADS, NUM_KV_HEADS, QK_NORM, QUANTIZE)
+                _rope_epilogue(acc, acc_up, bias_ptr, out_ptr, rows, cols, pid_n, N, row_mask, cos, sin, slot,
+                               q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr, qk_eps, k_scale, v_scale,
+                               HAS_BIAS, BLOCK_N, NUM_HEADS, NUM_KV_HEADS, QK_NORM, QUANTIZE)
             else:
                 _epilogue(acc, acc_up, bias_ptr, res_ptr, out_ptr, rows, cols, N, res_stride, mask,
                           HAS_BIAS, GATED, RESIDUAL)
@@ -271,8 +275,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         partial, _counter(x.device, blocks) if split else out, m, n, k, x.stride(0), w.stride(0),
         residual.stride(0) if residual is not None else 0, eps, parts, *rope_args, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None, GATED=gated,
-        RESIDUAL=residual is not None, SPLIT=split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        ROPE=rope is not None, NUM_HEADS=n // head_dim - 2 * num_kv_heads if rope else 0, NUM_KV_HEADS=num_kv_heads,
+        RESIDUAL=residual is not None, SPLIT=split, NORM_PARTS=parts if split and norm is not None else 1,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        ROPE=rope is not None, NUM_HEADS=n // head_dim - 2 * num_kv_heads if rope is not None else 0, NUM_KV_HEADS=num_kv_heads,
         QK_NORM=rope is not None and rope.q_weight is not None, QUANTIZE=quantize,
         num_warps=warps, num_stages=1, **pdl_args(x.device))
     return out
