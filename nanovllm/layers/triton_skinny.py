@@ -11,10 +11,10 @@ residual, norm + gate/up + silu, down + residual) where they were eight (add + n
 add + norm, gate/up, silu, down).
 
 Each program reads one block of w, BLOCK_N rows by BLOCK_K columns (and the matching up rows, or the head's
-other half), against the rows of x padded to 16 for `tl.dot`. When K is longer than BLOCK_K, its parts write their float32 partial sums and
-the program that finishes last for a block of columns (a counter per block, which it resets to 0) adds them up
-and applies the rest; one launch either way. The grid depends on M, N and K only, so a CUDA graph of a batch
-size captures it.
+other half), against the rows of x padded to 16 for `tl.dot`. When K is longer than BLOCK_K, its parts write
+their float32 partial sums and the program that finishes last for a block of columns (a counter per block, which
+it resets to 0) adds them up and applies the rest; one launch either way. The grid depends on M, N and K only,
+so a CUDA graph of a batch size captures it.
 
 Programmatic dependent launch (sm90+, `pdl`): the GPU may start a kernel while the one before it still runs.
 Each program loads its weights, which no kernel writes, and only then waits (`gdc_wait`) for the previous
@@ -45,33 +45,33 @@ if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
 
     @triton.jit
-    def _epilogue(acc, acc_up, bias_ptr, res_ptr, out_ptr, rows, cols, N, res_stride, mask,
+    def _epilogue(acc, acc_up, bias, bias_up, residual, out_ptr, rows, cols, N, mask,
                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+        """bias (float32 [BLOCK_N], up's too), act and residual (as loaded) on the product, stored to out."""
         dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            acc += bias[None, :]
             if GATED:
-                acc_up += tl.load(bias_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+                acc_up += bias_up[None, :]
         if GATED:  # gate and up rounded as the projection's output, silu(gate) * up rounded once
             gate = acc.to(dtype).to(tl.float32)
             acc = gate * tl.sigmoid(gate) * acc_up.to(dtype).to(tl.float32)
         if RESIDUAL:
-            residual = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask, other=0.0)
             acc = acc.to(dtype).to(tl.float32) + residual.to(tl.float32)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(dtype), mask=mask)
 
     @triton.jit
-    def _rope_epilogue(x1, x2, bias_ptr, out_ptr, rows, cols, head, N, row_mask, cos, sin, slot,
-                       q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr, eps, k_scale, v_scale,
+    def _rope_epilogue(x1, x2, bias1, bias2, out_ptr, rows, cols, head, N, row_mask, cos, sin, slot, w1, w2,
+                       k_cache_ptr, v_cache_ptr, eps, k_scale, v_scale,
                        HAS_BIAS: tl.constexpr, HALF: tl.constexpr, NUM_HEADS: tl.constexpr,
                        NUM_KV_HEADS: tl.constexpr, QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr):
         """One head of one token per row, x1 and x2 its two halves (float32 sums): q and k normed (QK_NORM) and
-        rotated (by each row's cos and sin), q written to out, k and v stored in the cache at the row's slot as
-        `triton_rope_store` does (and to out as projected)."""
+        rotated (by each row's cos and sin; w1 and w2 the halves of the head's norm weight), q written to out, k and
+        v stored in the cache at the row's slot as `triton_rope_store` does (and to out as projected)."""
         dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
-            x1 += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-            x2 += tl.load(bias_ptr + cols + HALF).to(tl.float32)[None, :]
+            x1 += bias1[None, :]
+            x2 += bias2[None, :]
         x1 = x1.to(dtype).to(tl.float32)  # the projection's output
         x2 = x2.to(dtype).to(tl.float32)
         out = out_ptr + rows[:, None] * N + cols[None, :]
@@ -80,11 +80,7 @@ if triton is not None:
             tl.store(out + HALF, x2.to(dtype), mask=row_mask[:, None])
         if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: norm and rope
             if QK_NORM:
-                weight_ptr = q_weight_ptr if head < NUM_HEADS else k_weight_ptr
                 rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-                c = tl.arange(0, HALF)
-                w1 = tl.load(weight_ptr + c).to(tl.float32)[None, :]
-                w2 = tl.load(weight_ptr + HALF + c).to(tl.float32)[None, :]
                 x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
                 x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
@@ -136,7 +132,13 @@ if triton is not None:
         w = tl.load(w_block, mask=w_mask, other=0.0)
         if GATED or ROPE:
             w_up = tl.load(w_block + pair * w_stride, mask=w_mask, other=0.0)
-        # what no kernel writes (norm weight; the host's positions and slots, the cos/sin table) before the wait too
+        # what no kernel writes (weights, biases; the host's positions and slots) before the wait too
+        bias = tl.zeros([BLOCK_N], tl.float32)
+        bias_up = bias
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if GATED or ROPE:
+                bias_up = tl.load(bias_ptr + cols + pair, mask=col_mask, other=0.0).to(tl.float32)
         if NORM:
             weight = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
         if ROPE:
@@ -144,8 +146,18 @@ if triton is not None:
             angles = cos_sin_ptr + position[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :]
             cos, sin = tl.load(angles), tl.load(angles + BLOCK_N)
             slot = tl.load(slot_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+            w1 = cos  # (unread without QK_NORM)
+            w2 = cos
+            if QK_NORM:  # the head's norm: q's, or k's (v's heads leave it unread)
+                head_weight = q_weight_ptr if pid_n < NUM_HEADS else k_weight_ptr
+                w1 = tl.load(head_weight + tl.arange(0, BLOCK_N)).to(tl.float32)[None, :]
+                w2 = tl.load(head_weight + BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.float32)[None, :]
         if PDL:  # x and the residual are the previous kernel's: wait for it to finish
             tl.extra.cuda.gdc_wait()
+        mask = row_mask[:, None] & col_mask[None, :]
+        residual = bias[None, :]
+        if RESIDUAL:  # for the epilogue, loaded now: one round trip less after the last part's sum
+            residual = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask, other=0.0)
         x_rows = x_ptr + rows[:, None] * x_stride
         x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if NORM:
@@ -163,7 +175,6 @@ if triton is not None:
         acc_up = acc
         if GATED or ROPE:
             acc_up = tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
-        mask = row_mask[:, None] & col_mask[None, :]
         last = True  # whether this program applies the rest: each one, or the last part of a block of columns
         if SPLIT:
             width = 2 * N if GATED else N
@@ -184,12 +195,12 @@ if triton is not None:
                 tl.store(counter_ptr + pid_n, 0)  # ready for the next launch
         if last:
             if ROPE:
-                _rope_epilogue(acc, acc_up, bias_ptr, out_ptr, rows, cols, pid_n, N, row_mask, cos, sin, slot,
-                               q_weight_ptr, k_weight_ptr, k_cache_ptr, v_cache_ptr, qk_eps, k_scale, v_scale,
-                               HAS_BIAS, BLOCK_N, NUM_HEADS, NUM_KV_HEADS, QK_NORM, QUANTIZE)
+                _rope_epilogue(acc, acc_up, bias, bias_up, out_ptr, rows, cols, pid_n, N, row_mask, cos, sin, slot,
+                               w1, w2, k_cache_ptr, v_cache_ptr, qk_eps, k_scale, v_scale, HAS_BIAS, BLOCK_N,
+                               NUM_HEADS, NUM_KV_HEADS, QK_NORM, QUANTIZE)
             else:
-                _epilogue(acc, acc_up, bias_ptr, res_ptr, out_ptr, rows, cols, N, res_stride, mask,
-                          HAS_BIAS, GATED, RESIDUAL)
+                _epilogue(acc, acc_up, bias, bias_up, residual, out_ptr, rows, cols, N, mask, HAS_BIAS, GATED,
+                          RESIDUAL)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -276,8 +287,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         residual.stride(0) if residual is not None else 0, eps, parts, *rope_args, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None, GATED=gated,
         RESIDUAL=residual is not None, SPLIT=split, NORM_PARTS=parts if split and norm is not None else 1,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        ROPE=rope is not None, NUM_HEADS=n // head_dim - 2 * num_kv_heads if rope is not None else 0, NUM_KV_HEADS=num_kv_heads,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ROPE=rope is not None,
+        NUM_HEADS=n // head_dim - 2 * num_kv_heads if rope is not None else 0, NUM_KV_HEADS=num_kv_heads,
         QK_NORM=rope is not None and rope.q_weight is not None, QUANTIZE=quantize,
         num_warps=warps, num_stages=1, **pdl_args(x.device))
     return out
