@@ -189,6 +189,28 @@ def test_row_parallel_layers_add_the_residual_in_it(skinny_calls):
     assert skinny_calls == [((3, 300), False, False, True)]
 
 
+def test_row_parallel_ranks_add_the_residual_after_the_all_reduce(skinny_calls, monkeypatch):
+    """With tensor parallelism each rank's skinny product is its partial sum: the bias (rank 0 only) goes in the
+    kernel, the residual after the all-reduce, so it counts once whatever the ranks (all_reduce stands in here: rank
+    1's share, a known tensor, added to rank 0's)."""
+    from nanovllm.layers import linear
+    gen = torch.Generator().manual_seed(7)
+    layer = linear.RowParallelLinear(64, 24, bias=True).to(DEVICE)
+    layer.weight.data.copy_(torch.randn(24, 64, generator=gen))
+    layer.bias.data.copy_(torch.randn(24, generator=gen))
+    x = torch.randn(3, 64, generator=gen)
+    res, other = torch.randn(3, 24, generator=gen), torch.randn(3, 24, generator=gen)
+    monkeypatch.setattr(linear.dist, "all_reduce", lambda y: y.add_(other.to(y.device)))
+    layer.tp_size = 2
+    for rank in (0, 1):
+        layer.tp_rank = rank
+        out = layer(x.to(DEVICE), residual=res.to(DEVICE))
+        bias = layer.bias.data.cpu() if rank == 0 else None
+        expected = reference(x, layer.weight.data.cpu(), bias) + other.double() + res.double()
+        assert rel_error(out, expected) < 1e-5, rank
+    assert skinny_calls == [((3, 64), False, False, False)] * 2  # the kernel gets no residual
+
+
 def test_skinny_reads_rows_at_their_strides():
     """x, w and the residual may be views whose rows lie further apart than their width (slices of wider
     tensors; `fits` asks only that columns be contiguous): each row is read at its own stride, with the norm's
