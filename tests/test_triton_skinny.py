@@ -120,6 +120,54 @@ def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
     assert not triton_skinny._counters[out.device].any()
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("block_k", [64, 32])
+def test_qkv_with_rope_rounds_the_projection_as_the_unfused_layers(qk_norm, block_k):
+    """In a 16-bit dtype the epilogue rounds the projection's output before the norms and rope, as the projection
+    followed by `rope_store` does: integer x and w make every float32 sum exact while most outputs need rounding
+    to float16, so q, k, v and the cache must equal theirs bit for bit (float16: the interpreter's bf16 `tl.dot`
+    is wrong)."""
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    from nanovllm.layers.triton_rope_store import rope_store
+    dtype, gen = torch.float16, torch.Generator().manual_seed(1)
+    m, k, num_heads, num_kv_heads, head_dim = 5, 64, 2, 1, 32
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    x = torch.randint(-64, 65, (m, k), generator=gen).to(dtype)
+    w = torch.randint(-64, 65, (q_size + 2 * kv_size, k), generator=gen).to(dtype)
+    qkv = (x.double() @ w.double().T).to(dtype)  # exact sums, rounded once: the projection's output
+    assert (qkv.double() != x.double() @ w.double().T).float().mean() > 0.3
+    q, kk, v = (t.view(m, -1, head_dim).to(DEVICE) for t in qkv.split([q_size, kv_size, kv_size], -1))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos_sin = RotaryEmbedding(inv_freq, 4096).cos_sin_cache.to(DEVICE)
+    positions = torch.tensor([3, 1000, 17, 4095, 250], device=DEVICE)
+    slots = torch.tensor([4, 0, -1, 9, 2], device=DEVICE)
+    weights = [(torch.rand(head_dim, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if qk_norm \
+        else [None, None]
+    caches = [torch.zeros(2, 8, num_kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    want_q = rope_store(q, kk, v, positions, cos_sin, *weights, 1e-6, *want_caches, slots)
+    args = triton_skinny.RopeStoreArgs(positions, cos_sin, *weights, 1e-6, *caches, slots, 1.0, 1.0)
+    out = triton_skinny.skinny_linear(x.to(DEVICE), w.to(DEVICE), rope=args, config=(head_dim // 2, block_k, 4))
+    assert torch.equal(out[:, :q_size].view(m, num_heads, head_dim), want_q)
+    assert torch.equal(out[:, q_size:].cpu(), qkv[:, q_size:])
+    for got, want in zip(caches, want_caches):
+        assert torch.equal(got, want)
+
+
+def test_fuses_rope_only_where_tl_dot_takes_half_a_head(monkeypatch):
+    """Half a head must be a power of two of 16 or more (`tl.dot`'s least N on a GPU, which the interpreter does not
+    check): heads of 8 and 16 keep the separate kernel, as do 48 and 80."""
+    for name, value in [("ENABLED", True), ("ROPE", True), ("DEVICE_TYPE", DEVICE.type),
+                        ("pdl_launch", lambda device: True)]:
+        monkeypatch.setattr(triton_skinny, name, value)
+    x = torch.zeros(4, 256, device=DEVICE)
+    fused = {dim: triton_skinny.fuses_rope(x, torch.zeros(4 * dim, 256, device=DEVICE), dim)
+             for dim in (8, 16, 32, 48, 64, 80, 128)}
+    assert fused == {8: False, 16: False, 32: True, 48: False, 64: True, 80: False, 128: True}
+    monkeypatch.setattr(triton_skinny, "ROPE", False)  # NANOVLLM_SKINNY_ROPE=0
+    assert not triton_skinny.fuses_rope(x, torch.zeros(512, 256, device=DEVICE), 128)
+
+
 @pytest.fixture
 def skinny_calls(monkeypatch):
     """The skinny path on, on this device, as on an H200 (dependent launches, so wide products too), with (shape of
