@@ -421,3 +421,38 @@ def test_kernels_compile_for_sm90():
             v_scale="fp32"), dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_BLOCK=8, DIM_BLOCK=128,
                                   QUANTIZE=cache == "fp8e4nv")))
     compile_for_sm90(cases)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
+def test_engine_on_the_triton_backend_matches_hf(tmp_path, monkeypatch):
+    """The whole engine with the Triton backend as on a GPU, every kernel through the interpreter (which aborts on
+    an access out of bounds): the memory-profiling run without a cache, prefills on the varlen path, split decode
+    with its merge, the rope and store in the qkv projection for decode steps and in their own kernel for
+    prefills. Heads of 32 (the projection's epilogue takes them), greedy tokens as HF's, teacher-forced."""
+    from nanovllm.engine import model_runner
+    from nanovllm.layers import triton_attention, triton_skinny
+    from nanovllm.utils.random_checkpoint import make_random_checkpoint
+    monkeypatch.setattr(model_runner.ModelRunner, "_backend_name", lambda self: "triton")
+    monkeypatch.setattr(triton_attention, "triton_available", lambda: True)
+    for name, value in [("DEVICE_TYPE", "cpu"), ("pdl_launch", lambda device: True)]:
+        monkeypatch.setattr(triton_skinny, name, value)
+    calls = {"decode": 0, "rope in qkv": 0}
+    for module, name, kind in [(triton_attention, "decode_attention", "decode"),
+                               (triton_skinny, "skinny_linear", "rope in qkv")]:
+        original = getattr(module, name)
+
+        def spy(*args, _original=original, _kind=kind, **kwargs):
+            calls[_kind] += _kind == "decode" or kwargs.get("rope") is not None
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
+    from nanovllm import LLM, SamplingParams
+    from tests.conftest import assert_greedy_matches_hf
+    from tests.test_models import hf_model
+    path = make_random_checkpoint(tmp_path / "tiny", "tiny", head_dim=32)
+    prompts = [[5, 9, 200, 31], [7] * 40, list(range(3, 60))]
+    with LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    hf = hf_model(path)
+    for prompt, out in zip(prompts, outputs):
+        assert_greedy_matches_hf(hf, prompt, out["token_ids"])
+    assert calls["decode"] and calls["rope in qkv"], calls
