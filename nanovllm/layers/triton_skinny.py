@@ -275,7 +275,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                      rope.k_scale, rope.v_scale)
     block_n, block_k, warps = config or plan(block_m, k, gated, head_dim)
     assert rope is None or block_n == head_dim // 2
-    blocks, parts = (n // head_dim if rope else -(-n // block_n)), -(-k // block_k)
+    blocks, parts = (n // head_dim if rope is not None else -(-n // block_n)), -(-k // block_k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     split = parts > 1
     partial = torch.empty(parts, block_m, 2 * n if gated else n, dtype=torch.float32, device=x.device) \
