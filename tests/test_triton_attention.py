@@ -424,35 +424,29 @@ def test_kernels_compile_for_sm90():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
-def test_engine_on_the_triton_backend_matches_hf(tmp_path, monkeypatch):
-    """The whole engine with the Triton backend as on a GPU, every kernel through the interpreter (which aborts on
-    an access out of bounds): the memory-profiling run without a cache, prefills on the varlen path, split decode
-    with its merge, the rope and store in the qkv projection for decode steps and in their own kernel for
-    prefills. Heads of 32 (the projection's epilogue takes them), greedy tokens as HF's, teacher-forced."""
-    from nanovllm.engine import model_runner
-    from nanovllm.layers import triton_attention, triton_skinny
-    from nanovllm.utils.random_checkpoint import make_random_checkpoint
-    monkeypatch.setattr(model_runner.ModelRunner, "_backend_name", lambda self: "triton")
-    monkeypatch.setattr(triton_attention, "triton_available", lambda: True)
-    for name, value in [("DEVICE_TYPE", "cpu"), ("pdl_launch", lambda device: True)]:
-        monkeypatch.setattr(triton_skinny, name, value)
-    calls = {"decode": 0, "rope in qkv": 0}
-    for module, name, kind in [(triton_attention, "decode_attention", "decode"),
-                               (triton_skinny, "skinny_linear", "rope in qkv")]:
-        original = getattr(module, name)
-
-        def spy(*args, _original=original, _kind=kind, **kwargs):
-            calls[_kind] += _kind == "decode" or kwargs.get("rope") is not None
-            return _original(*args, **kwargs)
-        monkeypatch.setattr(module, name, spy)
+def test_engine_built_on_the_triton_backend_matches_hf(tmp_path, monkeypatch):
+    """The engine built on the Triton backend as on a GPU (test_engine_on_triton_kernels_matches_hf swaps it in
+    afterwards), every kernel through the interpreter, which aborts on an access out of bounds: the warm-up's
+    steps before the cache exists, the q/k norms, rope and KV store fused into one kernel for every step (the
+    backend's store is Triton's), split decode and its merge. Greedy tokens as HF's, teacher-forced. (The rope in
+    the qkv projection: tests/test_triton_skinny.py.)"""
     from nanovllm import LLM, SamplingParams
+    from nanovllm.engine import model_runner
+    from nanovllm.utils.random_checkpoint import make_random_checkpoint
     from tests.conftest import assert_greedy_matches_hf
     from tests.test_models import hf_model
-    path = make_random_checkpoint(tmp_path / "tiny", "tiny", head_dim=32)
+    monkeypatch.setattr(model_runner.ModelRunner, "_backend_name", lambda self: "triton")
+    monkeypatch.setattr(triton_attention, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)  # 2-8 splits, not 64: the interpreter is slow
+    decodes = []
+    decode = triton_attention.decode_attention
+    monkeypatch.setattr(triton_attention, "decode_attention", lambda *a, **kw: decodes.append(1) or decode(*a, **kw))
+    path = make_random_checkpoint(tmp_path / "tiny", "tiny")
     prompts = [[5, 9, 200, 31], [7] * 40, list(range(3, 60))]
-    with LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+    with LLM(str(path), kvcache_block_size=16, max_num_batched_tokens=64, num_kvcache_blocks=24) as llm:
+        assert all(layer.fused_store for layer in llm.model_runner.attn_layers)
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     hf = hf_model(path)
     for prompt, out in zip(prompts, outputs):
         assert_greedy_matches_hf(hf, prompt, out["token_ids"])
-    assert calls["decode"] and calls["rope in qkv"], calls
+    assert decodes

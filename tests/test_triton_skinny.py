@@ -318,9 +318,10 @@ def test_decode_steps_with_rope_in_the_projection_match_hf(tmp_path, skinny_call
     cache they fill) moved into the qkv projection for decode steps: q/k norms and the layer's norm (Qwen3), biases
     without q/k norms (Llama); heads of 32. Greedy tokens as HF's, teacher-forced, and every decode step's qkv
     took the fused epilogue."""
+    from nanovllm import LLM, SamplingParams
     from nanovllm.layers.attention import TorchBackend
     from nanovllm.utils.random_checkpoint import make_random_checkpoint
-    from tests.test_models import FAMILIES, check_against_hf
+    from tests.test_models import FAMILIES, hf_model
     monkeypatch.setattr(TorchBackend, "fuses_rope_store", True)
     ropes = []
     skinny = triton_skinny.skinny_linear
@@ -330,7 +331,13 @@ def test_decode_steps_with_rope_in_the_projection_match_hf(tmp_path, skinny_call
         return skinny(x, w, bias, **kw)
     monkeypatch.setattr(triton_skinny, "skinny_linear", spy)
     shape, overrides = FAMILIES.get(family, ("tiny", {}))
-    check_against_hf(make_random_checkpoint(tmp_path / family, shape, **dict(overrides, head_dim=32)))
+    path = make_random_checkpoint(tmp_path / family, shape, **dict(overrides, head_dim=32))
+    prompts = [[5, 9, 200, 31], [7] * 40, list(range(3, 60))]
+    with LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=24) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    hf = hf_model(path)
+    for prompt, out in zip(prompts, outputs):
+        assert_greedy_matches_hf(hf, prompt, out["token_ids"])
     assert sum(rope for _, rope in ropes) >= 2 * 5  # two layers, five decode steps at least
 
 
