@@ -426,10 +426,11 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
 def test_engine_built_on_the_triton_backend_matches_hf(tmp_path, monkeypatch):
     """The engine built on the Triton backend as on a GPU (test_engine_on_triton_kernels_matches_hf swaps it in
-    afterwards), every kernel through the interpreter, which aborts on an access out of bounds: the warm-up's
-    steps before the cache exists, the q/k norms, rope and KV store fused into one kernel for every step (the
-    backend's store is Triton's), split decode and its merge. Greedy tokens as HF's, teacher-forced. (The rope in
-    the qkv projection: tests/test_triton_skinny.py.)"""
+    afterwards, so its decoder never fuses the store), every kernel through the interpreter, which aborts on an
+    access out of bounds: the q/k norms, rope and KV store fused into one kernel for every step (the backend's
+    store is Triton's), prefills on the varlen path, split decode and its merge. Greedy tokens as HF's,
+    teacher-forced. (CUDA's warm-up steps do not run on CPU; the rope in the qkv projection:
+    tests/test_triton_skinny.py.)"""
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine import model_runner
     from nanovllm.utils.random_checkpoint import make_random_checkpoint
