@@ -23,6 +23,12 @@ if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
 
     @triton.jit
+    def quantize_fp8(x, scale):
+        """x as an FP8 cache stores it, before the cast: clamp(x / scale, -448, 448) in float32 (div_rn, not the
+        approximate division, so the bits match torch's)."""
+        return tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -_FP8_MAX), _FP8_MAX)
+
+    @triton.jit
     def _store_kvcache_kernel(
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
         k_token_stride, k_head_stride, v_token_stride, v_head_stride, k_scale, v_scale,
@@ -39,12 +45,14 @@ if triton is not None:
         mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
         key = tl.load(k_ptr + token * k_token_stride + heads * k_head_stride + dims, mask=mask)
         value = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
-        if QUANTIZE:  # div_rn, not the approximate division, so the bits match torch's
-            key = tl.minimum(tl.maximum(tl.math.div_rn(key.to(tl.float32), k_scale), -_FP8_MAX), _FP8_MAX)
-            value = tl.minimum(tl.maximum(tl.math.div_rn(value.to(tl.float32), v_scale), -_FP8_MAX), _FP8_MAX)
+        if QUANTIZE:
+            key = quantize_fp8(key, k_scale)
+            value = quantize_fp8(value, v_scale)
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
         tl.store(k_cache_ptr + dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+else:
+    quantize_fp8 = None
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -19,11 +19,21 @@ from typing import NamedTuple
 
 import torch
 
-from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX
+from nanovllm.layers.attention import FP8_DTYPE
 from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, dependent_start, pdl_args, tl, triton
+from nanovllm.layers.triton_kvstore import quantize_fp8
 
 if triton is not None:
-    _FP8_MAX = tl.constexpr(FP8_MAX)
+    @triton.jit
+    def norm_and_rotate(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr,
+                        QK_NORM: tl.constexpr):
+        """Heads of q or k by rows, as their halves x1 and x2 in float32: RMSNorm over each head with the weight's
+        halves w1 and w2 (QK_NORM), rounded to DTYPE where `RMSNorm` rounds, then rotated by cos and sin."""
+        if QK_NORM:
+            rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+            x1 = (w1 * (x1 * rstd).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+            x2 = (w2 * (x2 * rstd).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+        return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
     @triton.jit
     def _normed_rope(ptr, token_stride, weight_ptr, cos, sin, token, eps,
@@ -40,14 +50,13 @@ if triton is not None:
         dtype = x1.dtype
         x1 = x1.to(tl.float32)
         x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+        w1 = cos  # (unread without QK_NORM)
+        w2 = cos
         if QK_NORM:
-            variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
-            rstd = tl.math.rsqrt(variance + eps)[:, None]
             w1 = tl.load(weight_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
             w2 = tl.load(weight_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)
-            x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        return x1 * cos - x2 * sin, x2 * cos + x1 * sin, mask
+        x1, x2 = norm_and_rotate(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, dtype, QK_NORM)
+        return x1, x2, mask
 
     @triton.jit
     def _rope_store_kernel(
@@ -83,16 +92,16 @@ if triton is not None:
             # the key is rounded to the model's dtype first, as the unfused rope returns it
             k1 = k1.to(v1.dtype)
             k2 = k2.to(v1.dtype)
-            if QUANTIZE:  # div_rn, not the approximate division, so the bits match torch's
-                k1 = tl.minimum(tl.maximum(tl.math.div_rn(k1.to(tl.float32), k_scale), -_FP8_MAX), _FP8_MAX)
-                k2 = tl.minimum(tl.maximum(tl.math.div_rn(k2.to(tl.float32), k_scale), -_FP8_MAX), _FP8_MAX)
-                v1 = tl.minimum(tl.maximum(tl.math.div_rn(v1.to(tl.float32), v_scale), -_FP8_MAX), _FP8_MAX)
-                v2 = tl.minimum(tl.maximum(tl.math.div_rn(v2.to(tl.float32), v_scale), -_FP8_MAX), _FP8_MAX)
+            if QUANTIZE:
+                k1, k2 = quantize_fp8(k1, k_scale), quantize_fp8(k2, k_scale)
+                v1, v2 = quantize_fp8(v1, v_scale), quantize_fp8(v2, v_scale)
             kv_dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_heads * HEAD_DIM + cols
             tl.store(k_cache_ptr + kv_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
             tl.store(k_cache_ptr + kv_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
             tl.store(v_cache_ptr + kv_dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
             tl.store(v_cache_ptr + kv_dst + half, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+else:
+    norm_and_rotate = None
 
 
 class RopeStoreArgs(NamedTuple):

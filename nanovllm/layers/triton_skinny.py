@@ -32,9 +32,10 @@ import os
 
 import torch
 
-from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX
+from nanovllm.layers.attention import FP8_DTYPE
 from nanovllm.layers.triton_guard import pdl_args, pdl_launch, tl, triton
-from nanovllm.layers.triton_rope_store import RopeStoreArgs
+from nanovllm.layers.triton_kvstore import quantize_fp8
+from nanovllm.layers.triton_rope_store import RopeStoreArgs, norm_and_rotate
 
 MAX_ROWS = 32
 ENABLED = os.environ.get("NANOVLLM_SKINNY_GEMM", "1") == "1"
@@ -42,8 +43,6 @@ ROPE = os.environ.get("NANOVLLM_SKINNY_ROPE", "1") == "1"
 DEVICE_TYPE = "cuda"  # on CPU (tests under the interpreter call it directly) F.linear is the faster
 
 if triton is not None:
-    _FP8_MAX = tl.constexpr(FP8_MAX)
-
     @triton.jit
     def _epilogue(acc, acc_up, bias, bias_up, residual, out_ptr, rows, cols, N, mask,
                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
@@ -79,11 +78,7 @@ if triton is not None:
             tl.store(out, x1.to(dtype), mask=row_mask[:, None])
             tl.store(out + HALF, x2.to(dtype), mask=row_mask[:, None])
         if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: norm and rope
-            if QK_NORM:
-                rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-                x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-                x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+            x1, x2 = norm_and_rotate(x1, x2, w1, w2, cos, sin, eps, 2 * HALF, dtype, QK_NORM)
         if head < NUM_HEADS:
             tl.store(out, x1.to(dtype), mask=row_mask[:, None])
             tl.store(out + HALF, x2.to(dtype), mask=row_mask[:, None])
@@ -94,9 +89,8 @@ if triton is not None:
             kv_head = head - NUM_HEADS if is_k else head - NUM_HEADS - NUM_KV_HEADS
             y1 = x1.to(dtype)  # the key rounded after rope, as the unfused rope returns it
             y2 = x2.to(dtype)
-            if QUANTIZE:  # div_rn, not the approximate division, so the bits match torch's
-                y1 = tl.minimum(tl.maximum(tl.math.div_rn(y1.to(tl.float32), scale), -_FP8_MAX), _FP8_MAX)
-                y2 = tl.minimum(tl.maximum(tl.math.div_rn(y2.to(tl.float32), scale), -_FP8_MAX), _FP8_MAX)
+            if QUANTIZE:
+                y1, y2 = quantize_fp8(y1, scale), quantize_fp8(y2, scale)
             dst = cache_ptr + (slot[:, None] * NUM_KV_HEADS + kv_head) * (2 * HALF) + tl.arange(0, HALF)[None, :]
             store = (row_mask & (slot >= 0))[:, None]
             tl.store(dst, y1.to(cache_ptr.dtype.element_ty), mask=store)
