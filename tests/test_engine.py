@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from nanovllm import LLM, SamplingParams
 from tests.conftest import assert_greedy_matches_hf
@@ -201,6 +202,47 @@ def test_kernel_warmup_chunks_stay_chunks_beside_many_sequences(tiny_model, monk
     assert all(chunk >= 2 for _, _, chunk, _ in shapes[:-1]), shapes
     assert [(seqs, decodes, chunk) for seqs, decodes, chunk, _ in shapes if seqs == 32 and not decodes] == [
         (32, 0, 2), (32, 0, 4)]  # max(2, 32 // 2 // 32), then 256 // 2 // 32
+
+
+def test_kernel_warmup_stays_within_the_models_positions(tmp_path, monkeypatch):
+    """A model of 128 positions (max_model_len follows) beside a token budget of 512: the warm-up's steps of half
+    the budget are chunks of several 128-token contexts, not one 512-token context whose positions would read past
+    the rope's table (on CUDA, past its allocation: session 23's illegal address, with the tiny model's 4,096
+    positions and the default budget of 16,384). On CPU the torch rope raises on such a position."""
+    from nanovllm.utils.random_checkpoint import make_random_checkpoint
+    path = make_random_checkpoint(tmp_path / "short", "tiny", max_position_embeddings=128)
+    with LLM(str(path), max_num_seqs=4, kvcache_block_size=16, max_num_batched_tokens=512) as llm:
+        assert llm.config.max_model_len == 128
+        shapes = warmup_steps(llm, monkeypatch)
+    assert max(context for *_, context in shapes) == 128
+    # half the budget (256 tokens) as chunks of 64 beside a decode; the widest steps hold max_num_seqs sequences
+    assert [shape for shape in shapes if shape[-1] == 128][:5] == [
+        (4, 1, 64, 128), (2, 1, 2, 128), (4, 1, 64, 128), (4, 0, 64, 128), (3, 0, 64, 128)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(max_len=st.integers(1, 600), budget=st.integers(1, 2000), num_seqs=st.integers(1, 40),
+       block=st.sampled_from([16, 32, 256]))
+def test_kernel_warmup_steps_stay_within_the_configs_bounds(max_len, budget, num_seqs, block):
+    """Whatever the config: no position reaches max_model_len, every block a sequence uses is in its table, a
+    step holds at most max_num_seqs sequences (two where that is one: a decode beside a chunk), and the large
+    round has a prefill step of half the budget, as far as max_num_seqs - 1 half-contexts hold it."""
+    from types import SimpleNamespace
+    from nanovllm.engine.model_runner import ModelRunner
+    steps = []
+    runner = SimpleNamespace(config=SimpleNamespace(max_model_len=max_len, max_num_seqs=num_seqs,
+                                                    max_num_batched_tokens=budget),
+                             block_size=block, run=steps.append)
+    ModelRunner.warmup_kernels(runner)
+    for seqs in steps:
+        assert 1 <= len(seqs) <= max(num_seqs, 2)
+        for seq in seqs:
+            assert 0 <= seq.num_computed_tokens < seq.num_tokens <= max_len
+            assert seq.num_scheduled_tokens == seq.num_tokens - seq.num_computed_tokens
+            assert len(seq.block_table) * block >= seq.num_tokens
+    prefills = [sum(seq.num_scheduled_tokens for seq in seqs) for seqs in steps
+                if all(seq.num_computed_tokens < seq.num_tokens - 1 for seq in seqs)]
+    assert max(prefills, default=0) >= min(budget // 2, max(num_seqs - 1, 1) * (min(budget, max_len) // 2))
 
 
 def test_kernel_warmup_fits_a_cache_smaller_than_the_token_budget(tiny_model, monkeypatch):

@@ -303,23 +303,31 @@ class ModelRunner:
         whose longest chunk fits one tile of query rows with a kernel of its own); the widest steps, of
         max_num_seqs sequences (over 256, flash-attn-4 adds a lookup to its scheduler), with many decodes and
         one chunk (a mixed step that splits off its decodes) and with short chunks only; a prefix prefill alone;
-        then a decode-only step."""
-        capacity = self.config.num_kvcache_blocks * self.block_size
-        num_seqs = self.config.max_num_seqs
+        then a decode-only step. No position reaches max_model_len (at most the cache's tokens and the model's
+        max_position_embeddings, where its rope table ends): where half the budget is more than half a context,
+        its chunks are those of several sequences."""
+        max_len, num_seqs = self.config.max_model_len, self.config.max_num_seqs
 
         def seq(num_computed: int, length: int) -> Sequence:
             seq = Sequence([0] * length)
             seq.block_table = list(range(-(-length // self.block_size)))  # the cache holds nothing yet
             seq.num_computed_tokens, seq.num_scheduled_tokens = num_computed, length - num_computed
             return seq
-        for length in sorted({min(2 * self.block_size, capacity),
-                              min(self.config.max_num_batched_tokens, capacity)}):
-            chunk = max(2, length // 2 // num_seqs)
-            self.run([seq(length - 1, length), seq(length // 2, length)])
-            self.run([seq(length - 1, length), seq(length - 2, length)])
-            self.run([seq(length - 1, length) for _ in range(num_seqs - 1)] + [seq(length // 2, length)])
+
+        def chunks(tokens: int, length: int) -> list[Sequence]:
+            """Chunks of `tokens` in all, each the second half of a context, as many as fit beside a decode."""
+            half = max(length // 2, 1)
+            return [seq(length - half, length) for _ in range(min(-(-tokens // half), max(num_seqs - 1, 1)))]
+        budget, block = self.config.max_num_batched_tokens, self.block_size
+        for length, tokens in sorted({(min(2 * block, max_len), max(min(block, max_len // 2), 1)),
+                                      (min(budget, max_len), max(budget // 2, 1))}):
+            chunk = min(max(2, tokens // num_seqs), length)
+            self.run([seq(length - 1, length), *chunks(tokens, length)])
+            self.run([seq(length - 1, length), seq(max(length - 2, 0), length)])
+            prefills = chunks(tokens, length)
+            self.run([seq(length - 1, length) for _ in range(num_seqs - len(prefills))] + prefills)
             self.run([seq(length - chunk, length) for _ in range(num_seqs)])
-            self.run([seq(length // 2, length)])
+            self.run(chunks(tokens, length))
         self.run([seq(length - 1, length)])  # a decode-only step: backends may have a kernel of its own
 
     # ---- a step -------------------------------------------------------------------------------------
