@@ -85,7 +85,6 @@ def test_fused_equals_unfused(seed, dtype):
             torch.testing.assert_close(x.float(), y.float(), atol=1e-6, rtol=rtol)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: its hidden states, positions and slots are CPU tensors")
 def test_the_decoder_passes_its_norms_and_slots_to_the_kernel(tiny_model):
     """`DecoderAttention.project` with the fused kernel equals the unfused layers, at hidden states so small that
     the norms' eps decides their output (a wrong or missing eps, weight or slot shows)."""
@@ -95,8 +94,10 @@ def test_the_decoder_passes_its_norms_and_slots_to_the_kernel(tiny_model):
         assert layer.qk_norm
         attn = layer.attn
         gen = torch.Generator().manual_seed(0)
-        hidden = torch.randn(5, layer.qkv_proj.weight.size(1), generator=gen) * 1e-4
-        positions, slots = torch.tensor([0, 9, 3, 17, 40]), torch.tensor([16, 17, 18, 19, 20])
+        device = layer.qkv_proj.weight.device  # CUDA where there is one: the engine picks it
+        hidden = (torch.randn(5, layer.qkv_proj.weight.size(1), generator=gen) * 1e-4).to(device)
+        positions, slots = torch.tensor([0, 9, 3, 17, 40], device=device), torch.tensor([16, 17, 18, 19, 20],
+                                                                                         device=device)
         attn.fuse_rope_store = False
         q, k, v = layer.project(positions, hidden, slots)
         attn.fuse_rope_store = True
