@@ -1,0 +1,80 @@
+"""bench.py's workload step by step on CUDA: each step's wall time, its prefill and decode tokens, and the bytes a
+decode step must read (the weights once plus every running sequence's KV), against the bandwidth of a 2 GiB
+device copy measured in the same run. The method of `../shared/gpu/step_profile.py` (which wraps `LLM.step`;
+`generate` runs `LLMEngine._step`, wrapped here).
+
+    python benchmarks/step_profile.py [--num-seqs 256] [--kv-cache-dtype auto]
+
+With overlap scheduling a step's time is from its launch to the end of the call that also completed the step
+before it: the sum over steps is the run's time less the loop's own work."""
+import argparse
+import time
+from random import randint, seed
+
+import torch
+from triton.testing import do_bench
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import default_checkpoint
+
+BATCHES = ((1, 32), (33, 64), (65, 128), (129, 192), (193, 256), (257, 1 << 20))
+
+
+def copy_bandwidth() -> float:
+    """TB/s of a 2 GiB device-to-device copy, bytes read and written."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / do_bench(lambda: y.copy_(x), warmup=5, rep=30) / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    llm = LLM(str(default_checkpoint("qwen3-0.6b")), max_model_len=4096, kv_cache_dtype=args.kv_cache_dtype)
+    seed(0)  # bench.py's prompts and lengths
+    prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(args.num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024))
+              for _ in range(args.num_seqs)]
+    llm.generate(["warm"], SamplingParams(), use_tqdm=False)
+    records = []  # (prefill tokens, decode tokens, seconds, tokens in the running sequences)
+    step = llm._step
+
+    def timed_step():
+        context = sum(seq.num_tokens for seq in llm.scheduler.running)
+        start = time.perf_counter()
+        result = step()
+        records.append((result[1], result[2], time.perf_counter() - start, context))
+        return result
+    llm._step = timed_step
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    total = time.perf_counter() - start
+    runner = llm.model_runner
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_per_token = runner.kv_cache[:, :, 0, 0].numel() * runner.kv_cache.element_size()  # all layers, K and V
+    in_steps = sum(r[2] for r in records)
+    prefill = [r for r in records if r[0]]
+    decode = [r for r in records if not r[0]]
+    print(f"copy {bandwidth:.2f} TB/s; weights {weights / 1e9:.2f} GB; KV {kv_per_token} B/token; "
+          f"total {total:.2f} s, {len(records)} steps, {in_steps:.2f} s in steps")
+    print(f"steps with prefill: {len(prefill)}, {sum(r[2] for r in prefill):.2f} s, "
+          f"{sum(r[0] for r in prefill)} prefill tokens, {sum(r[1] for r in prefill)} decode tokens")
+    print("| decode batch | steps | time s | ms/step | floor ms/step | % of floor |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for lo, hi in BATCHES:
+        rows = [r for r in decode if lo <= r[1] <= hi]
+        if rows:
+            seconds = sum(r[2] for r in rows)
+            floor = sum(weights + r[3] * kv_per_token for r in rows) / bandwidth / 1e12
+            print(f"| {lo}-{hi} | {len(rows)} | {seconds:.2f} | {seconds / len(rows) * 1e3:.2f} | "
+                  f"{floor / len(rows) * 1e3:.2f} | {floor / seconds:.0%} |")
+    seconds = sum(r[2] for r in decode)
+    floor = sum(weights + r[3] * kv_per_token for r in decode) / bandwidth / 1e12
+    print(f"decode-only: {len(decode)} steps, {seconds:.2f} s, floor {floor:.2f} s ({floor / seconds:.0%} of floor)")
+
+
+if __name__ == "__main__":
+    main()
