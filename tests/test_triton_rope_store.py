@@ -122,7 +122,7 @@ def test_the_fused_store_waits_for_a_cache_and_a_backend_that_can():
 def test_the_switch_turns_nothing_on_where_the_store_is_not_triton(tiny_model, monkeypatch):
     from nanovllm import LLM
     monkeypatch.setenv("NANOVLLM_FUSED_ROPE_STORE", "1")
-    with LLM(tiny_model) as llm:  # the torch backend on CPU: its store is not Triton's
+    with LLM(tiny_model, device="cpu") as llm:  # the torch backend on CPU: its store is not Triton's
         assert not llm.model_runner.backend.fuses_rope_store
         assert not any(layer.fuse_rope_store for layer in llm.model_runner.attn_layers)
 
