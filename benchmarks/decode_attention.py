@@ -52,7 +52,8 @@ def copy_bandwidth() -> float:
 class Problem:
     """One decode batch: queries, a shuffled paged cache (bf16 and an FP8 copy) and the metadata."""
 
-    def __init__(self, batch: int, context: int, block_size: int, fp8: bool = True):
+    def __init__(self, batch: int, context: int, block_size: int, fp8: bool = True, shortest: int | None = None):
+        """shortest: contexts drawn uniformly from shortest..context (seeded) rather than all `context` long."""
         blocks_per_seq = math.ceil(context / block_size)
         num_blocks = batch * blocks_per_seq
         shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
@@ -62,12 +63,14 @@ class Problem:
         self.v8 = self.v.to(FP8_DTYPE) if fp8 else None
         self.q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         tables = torch.randperm(num_blocks, dtype=torch.int32, device="cuda").view(batch, blocks_per_seq)
+        draw = torch.Generator().manual_seed(0)
+        lens = (torch.full((batch,), context, dtype=torch.int32) if shortest is None else
+                torch.randint(shortest, context + 1, (batch,), dtype=torch.int32, generator=draw))
         self.meta = AttentionMetadata(
             slot_mapping=torch.full((batch,), -1, device="cuda"), block_tables=tables,
-            context_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
-            cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"), max_seqlen_q=1,
-            max_seqlen_k=context)
-        self.bytes_bf16 = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+            context_lens=lens.cuda(), cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+            max_seqlen_q=1, max_seqlen_k=context)
+        self.bytes_bf16 = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 2
         self.scale = HEAD_DIM ** -0.5
 
     def triton(self, fp8: bool = False, **overrides):
@@ -134,6 +137,25 @@ def short_tile_cases() -> list:
     return [(b, c, False, dict(kv_tile=t, num_warps=w, num_stages=st)) for b, c in shapes for t, w, st in tiles]
 
 
+def ragged(args):
+    """Splits against ragged contexts (bench.py's: 100 to 2,048 tokens, uniform): where one sequence is twice the
+    mean, the programs of the long ones end last; splits even them out at the cost of a merge."""
+    copy = copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"copy bandwidth {copy:.2f} TB/s; contexts uniform in 100..2048, block 256; us (TB/s)")
+    splits = (1, 2, 3, 4, 6, 8)
+    print("| batch | chosen | " + " | ".join(f"{s} splits" for s in splits) + " |")
+    print("| ---: " * (len(splits) + 2) + "|")
+    for batch in args.batch:
+        p = Problem(batch, 2048, 256, fp8=False, shortest=100)
+        gb = p.bytes_bf16 / 1e9
+        cells = [time_us(p.triton(num_splits=s)) for s in splits]
+        print(f"| {batch} | {triton_attention.decode_splits(batch, KV_HEADS, sms)} | "
+              + " | ".join(f"{us:.1f} ({gb / us * 1e3:.2f})" for us in cells) + " |", flush=True)
+        del p
+        torch.cuda.empty_cache()
+
+
 def sweep(args):
     """Alternatives to the kernel's tuned choices, each beside the default, on the shapes that stress it
     (`--sweep fp8`: the FP8 tiles across the table's shapes; `--sweep short`: bf16 tiles for short contexts)."""
@@ -167,11 +189,12 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--context", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--block-size", type=int, nargs="+", default=BLOCK_SIZES)
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "fp8", "short"],
-                        help="time the kernel's tile and split choices instead (fp8: the FP8 tiles at more shapes)")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "fp8", "short", "ragged"],
+                        help="time the kernel's tile and split choices instead (fp8: the FP8 tiles at more shapes; "
+                             "ragged: splits at bench.py's ragged contexts, over --batch)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    sweep(args) if args.sweep else table(args)
+    ragged(args) if args.sweep == "ragged" else sweep(args) if args.sweep else table(args)
 
 
 if __name__ == "__main__":
