@@ -72,6 +72,18 @@ class OnCuda:
         return out
 
 
+def free_order(bm) -> list[int]:
+    """A BlockManager's free blocks in the order it hands them out: the fresh ones (never handed out, not made
+    yet) by id, then the freed ones."""
+    return [*range(len(bm.blocks), bm.num_blocks), *bm.free_block_ids]
+
+
+def every_block(bm) -> list:
+    """Every block of a BlockManager's cache, a fresh one as it will be made."""
+    from nanovllm.engine.block_manager import Block
+    return bm.blocks + [Block(i) for i in range(len(bm.blocks), bm.num_blocks)]
+
+
 def assert_greedy_matches_hf(hf_model, prompt_ids: list[int], output_ids: list[int], atol: float = 1e-4):
     """Teacher-forced check: each generated token is HF's argmax (within `atol`) given everything before it."""
     assert output_ids, "no tokens were generated"

@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence
+from tests.conftest import every_block, free_order
 
 
 class ReferenceBlocks:
@@ -106,7 +107,7 @@ def test_block_manager_matches_the_reference(block_size, num_blocks, data):
                 waiting.append(seq)
         for seq, table in running:
             assert seq.block_table == table
-        assert list(bm.free_block_ids) == reference.free
-        assert [block.ref_count for block in bm.blocks] == reference.ref_counts
+        assert free_order(bm) == reference.free
+        assert [block.ref_count for block in every_block(bm)] == reference.ref_counts
         assert sorted(bm.hash_to_block_id.values()) == sorted(reference.cached.values())
-        assert [block.hash != -1 for block in bm.blocks] == [p is not None for p in reference.prefix_of]
+        assert [block.hash != -1 for block in every_block(bm)] == [p is not None for p in reference.prefix_of]

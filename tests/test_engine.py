@@ -67,7 +67,7 @@ def test_prefix_cache_hits_keep_tokens(tiny_model, hf_model):
     assert [o["num_cached_tokens"] for o in second] == [64, 80, 32]
     check_all(hf_model, prompts, second)
     bm = llm.scheduler.block_manager
-    assert bm.num_free_blocks == len(bm.blocks)
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_chunked_prefill(tiny_model, hf_model):
@@ -96,7 +96,7 @@ def test_preemption_under_a_tiny_cache(tiny_model, hf_model):
     assert llm.scheduler.num_preemptions > 0
     check_all(hf_model, prompts, outputs)
     bm = llm.scheduler.block_manager
-    assert bm.num_free_blocks == len(bm.blocks)
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_stops_at_max_model_len(tiny_model):

@@ -18,7 +18,7 @@ from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
 from nanovllm.layers.sampler import apply_penalties
-from tests.conftest import full_rebuild_penalties
+from tests.conftest import free_order, full_rebuild_penalties
 
 EOS, STOP = 1, 2
 VOCAB = 64
@@ -153,7 +153,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "scheduler"):
             return
         bm, s = self.scheduler.block_manager, self.scheduler
-        free = list(bm.free_block_ids)
+        free = free_order(bm)
         assert len(free) == len(set(free)), "a block is free twice"
         references = Counter(block_id for seq in s.running for block_id in seq.block_table)
         used = [block.block_id for block in bm.blocks if block.ref_count > 0]

@@ -101,7 +101,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         bm = self.scheduler.block_manager
-        return {"num_free_blocks": bm.num_free_blocks, "num_total_blocks": len(bm.blocks),
+        return {"num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
                 "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
                 "num_preemptions": self.scheduler.num_preemptions}
 
