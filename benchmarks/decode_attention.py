@@ -52,8 +52,10 @@ def copy_bandwidth() -> float:
 class Problem:
     """One decode batch: queries, a shuffled paged cache (bf16 and an FP8 copy) and the metadata."""
 
-    def __init__(self, batch: int, context: int, block_size: int, fp8: bool = True, shortest: int | None = None):
-        """shortest: contexts drawn uniformly from shortest..context (seeded) rather than all `context` long."""
+    def __init__(self, batch: int, context: int, block_size: int, fp8: bool = True, shortest: int | None = None,
+                 longest_first: bool = False):
+        """shortest: contexts drawn uniformly from shortest..context (seeded) rather than all `context` long;
+        longest_first: the batch sorted by context, longest first."""
         blocks_per_seq = math.ceil(context / block_size)
         num_blocks = batch * blocks_per_seq
         shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
@@ -66,6 +68,8 @@ class Problem:
         draw = torch.Generator().manual_seed(0)
         lens = (torch.full((batch,), context, dtype=torch.int32) if shortest is None else
                 torch.randint(shortest, context + 1, (batch,), dtype=torch.int32, generator=draw))
+        if longest_first:
+            lens = lens.sort(descending=True).values
         self.meta = AttentionMetadata(
             slot_mapping=torch.full((batch,), -1, device="cuda"), block_tables=tables,
             context_lens=lens.cuda(), cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
@@ -143,16 +147,21 @@ def ragged(args):
     copy = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"copy bandwidth {copy:.2f} TB/s; contexts uniform in 100..2048, block 256; us (TB/s)")
-    splits = (1, 2, 3, 4, 6, 8)
-    print("| batch | chosen | " + " | ".join(f"{s} splits" for s in splits) + " |")
-    print("| ---: " * (len(splits) + 2) + "|")
+    splits = (1, 2, 4, 8)
+    print("| batch | chosen | equal, 1 split | " + " | ".join(f"{s} splits" for s in splits)
+          + " | " + " | ".join(f"longest first, {s} splits" for s in splits) + " |")
+    print("| ---: " * (2 * len(splits) + 3) + "|")
     for batch in args.batch:
-        p = Problem(batch, 2048, 256, fp8=False, shortest=100)
-        gb = p.bytes_bf16 / 1e9
-        cells = [time_us(p.triton(num_splits=s)) for s in splits]
+        cells = []
+        equal = Problem(batch, 1074, 256, fp8=False)  # the mean context, for comparison
+        cells.append((time_us(equal.triton(num_splits=1)), equal.bytes_bf16 / 1e9))
+        del equal
+        for longest_first in (False, True):
+            p = Problem(batch, 2048, 256, fp8=False, shortest=100, longest_first=longest_first)
+            cells += [(time_us(p.triton(num_splits=s)), p.bytes_bf16 / 1e9) for s in splits]
+            del p
         print(f"| {batch} | {triton_attention.decode_splits(batch, KV_HEADS, sms)} | "
-              + " | ".join(f"{us:.1f} ({gb / us * 1e3:.2f})" for us in cells) + " |", flush=True)
-        del p
+              + " | ".join(f"{us:.1f} ({gb / us * 1e3:.2f})" for us, gb in cells) + " |", flush=True)
         torch.cuda.empty_cache()
 
 
