@@ -165,6 +165,25 @@ def ragged(args):
         torch.cuda.empty_cache()
 
 
+def ragged_tiles(args):
+    """bf16 decode tiles (keys, warps, stages) at bench.py's ragged contexts and at equal ones of their mean: a
+    smaller tile in fewer stages lets more programs share an SM, which may even out the long sequences' tail."""
+    copy = copy_bandwidth()
+    print(f"copy bandwidth {copy:.2f} TB/s; us (TB/s), ragged 100..2048 / equal 1074, block 256, 1 split")
+    tiles = ((64, 4, 3), (64, 4, 2), (32, 2, 3), (32, 4, 2), (32, 2, 4), (128, 8, 2))
+    print("| batch | " + " | ".join(f"{t} ragged | {t} equal" for t in tiles) + " |")
+    for batch in args.batch:
+        cells = []
+        problems = Problem(batch, 2048, 256, fp8=False, shortest=100), Problem(batch, 1074, 256, fp8=False)
+        for tile, warps, stages in tiles:
+            for p in problems:
+                us = time_us(p.triton(num_splits=1, kv_tile=tile, num_warps=warps, num_stages=stages))
+                cells.append(f"{us:.1f} ({p.bytes_bf16 / us / 1e6:.2f})")
+        print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
+        del problems
+        torch.cuda.empty_cache()
+
+
 def sweep(args):
     """Alternatives to the kernel's tuned choices, each beside the default, on the shapes that stress it
     (`--sweep fp8`: the FP8 tiles across the table's shapes; `--sweep short`: bf16 tiles for short contexts)."""
@@ -198,12 +217,13 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--context", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--block-size", type=int, nargs="+", default=BLOCK_SIZES)
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "fp8", "short", "ragged"],
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "fp8", "short", "ragged", "ragged-tiles"],
                         help="time the kernel's tile and split choices instead (fp8: the FP8 tiles at more shapes; "
-                             "ragged: splits at bench.py's ragged contexts, over --batch)")
+                             "ragged, ragged-tiles: splits and tiles at bench.py's ragged contexts, over --batch)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    ragged(args) if args.sweep == "ragged" else sweep(args) if args.sweep else table(args)
+    named = {"ragged": ragged, "ragged-tiles": ragged_tiles}
+    named.get(args.sweep, sweep if args.sweep else table)(args)
 
 
 if __name__ == "__main__":
