@@ -1,6 +1,6 @@
 """bench.py's workload step by step on CUDA: each step's wall time, its prefill and decode tokens, and the bytes a
-decode step must read (the weights once plus every running sequence's KV), against the bandwidth of a 2 GiB
-device copy measured in the same run. The method of `../shared/gpu/step_profile.py` (which wraps `LLM.step`;
+decode step must read (the weights once plus every running sequence's KV), against the bandwidth of a device copy
+measured in the same run (`decode_attention.copy_bandwidth`). The method of `../shared/gpu/step_profile.py` (which wraps `LLM.step`;
 `generate` runs `LLMEngine._step`, wrapped here).
 
     python benchmarks/step_profile.py [--num-seqs 256] [--kv-cache-dtype auto]
@@ -11,20 +11,11 @@ import argparse
 import time
 from random import randint, seed
 
-import torch
-from triton.testing import do_bench
-
+from decode_attention import copy_bandwidth  # (this folder: python puts a script's own folder on the path)
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
 BATCHES = ((1, 32), (33, 64), (65, 128), (129, 192), (193, 256), (257, 1 << 20))
-
-
-def copy_bandwidth() -> float:
-    """TB/s of a 2 GiB device-to-device copy, bytes read and written."""
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / do_bench(lambda: y.copy_(x), warmup=5, rep=30) / 1e9
 
 
 def main():
