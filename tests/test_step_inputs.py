@@ -162,6 +162,29 @@ def test_graph_replays_equal_eager_steps(tiny_model, sample_in_graph):
 
 
 @needs_interpreter
+def test_graph_replays_send_the_decode_kernel_longest_contexts_first(tiny_model):
+    """Each replay fills `decode_order`: its rows, padding included, by context length, longest first (the Triton
+    decode kernel's programs go out in that order, which evens out ragged contexts)."""
+    orders = []
+
+    class Recording(GraphMetaBackend):
+        def forward(self, q, k, v, k_cache, v_cache, meta, *args):
+            if meta.decode_order is not None:  # (a decode step's replay)
+                orders.append((meta.decode_order.tolist(), meta.context_lens.tolist()))
+            return super().forward(q, k, v, k_cache, v_cache, meta, *args)
+    with LLM(tiny_model, device="cpu", kvcache_block_size=16, max_num_seqs=8) as llm:
+        as_on_cuda(llm, graphs=True, sample_in_graph=False)
+        for layer in llm.model_runner.attn_layers:
+            layer.backend = Recording()
+        llm.generate(prompts(7, seed=4), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                     use_tqdm=False)
+    assert orders and any(order != sorted(order) for order, _ in orders)
+    for order, lens in orders:
+        assert sorted(order) == list(range(len(lens)))
+        assert [lens[i] for i in order] == sorted(lens, reverse=True)
+
+
+@needs_interpreter
 def test_decode_batches_wider_than_every_graph_run_eagerly(tiny_model):
     # graphs for up to 4 sequences (on CUDA: 512 at most) under max_num_seqs=8: decode steps of 5-7 run eagerly
     batch = prompts(7, seed=2)

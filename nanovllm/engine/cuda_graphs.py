@@ -49,10 +49,12 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.batch_sizes = sorted({*[b for b in (1, 2, 4, 8) if b < max_bs], *range(16, max_bs, 16), max_bs})
         self.inputs = StaticInputs([*((name, dtype, (max_bs,)) for name, dtype, _ in FIELDS),
+                                    ("decode_order", np.int32, (max_bs,)),
                                     ("block_tables", np.int32, (max_bs, self.max_blocks))], device)
         self.vars = self.inputs.vars
         for name, _, pad in FIELDS:
             self.vars[name].fill_(pad)  # capture with valid padding rows: a one-token context in block 0
+        self.vars["decode_order"].copy_(torch.arange(max_bs))
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         # the last step's samples in, this step's out: any step samples at most max_num_seqs rows
         self.tokens = torch.zeros(max(max_num_seqs, max_bs), dtype=torch.int64, device=device)
@@ -84,7 +86,7 @@ class DecodeGraphs:
         input_ids = read_pending(self.tokens, g["pending_rows"][:bs], g["input_ids"][:bs])
         meta = AttentionMetadata(slot_mapping=g["slot_mapping"][:bs], block_tables=g["block_tables"][:bs],
                                  context_lens=g["context_lens"][:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
-                                 max_seqlen_q=1, max_seqlen_k=self.max_model_len)
+                                 max_seqlen_q=1, max_seqlen_k=self.max_model_len, decode_order=g["decode_order"][:bs])
         hidden_states = self.model(input_ids, g["positions"][:bs], meta)
         logits = self.model.compute_logits(hidden_states)
         if logits is not None:
@@ -116,6 +118,8 @@ class DecodeGraphs:
         for name, _, pad in FIELDS:
             host[name][:n] = rows[name]
             host[name][n:bs] = pad
+        # the decode kernel's programs go out longest context first, padding rows last
+        host["decode_order"][:bs] = np.argsort(-host["context_lens"][:bs], kind="stable")
         host["block_tables"][:bs] = 0  # no stale entries from an earlier, longer batch
         host["block_tables"][:n, :inputs.block_tables.shape[1]] = inputs.block_tables
         self.inputs.send(staging, bs)  # of the block tables, the rows that this graph reads
