@@ -50,9 +50,10 @@ SPLIT_DECODES = int(os.environ.get("NANOVLLM_SPLIT_DECODES", 32))
 if triton is not None:
     # Nothing that changes from step to step picks a variant (which would compile mid-serving): not the block
     # table's width, nor the alignment of the metadata, which a mixed step's decodes are sliced off
-    # (`split_decodes`; its loads of them are scalar)
+    # (`split_decodes`; its loads of them are scalar), and which stands in for the unused map and order
     @triton.jit(do_not_specialize=["block_table_stride"],
-                do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"])
+                do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr",
+                                                "tile_map_ptr", "order_ptr"])
     def _attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr, tile_map_ptr,
         order_ptr,
