@@ -468,3 +468,38 @@ def test_engine_built_on_the_triton_backend_matches_hf(tmp_path, monkeypatch):
     for prompt, out in zip(prompts, outputs):
         assert_greedy_matches_hf(hf, prompt, out["token_ids"])
     assert decodes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
+def test_decode_graphs_on_the_triton_backend_send_their_order_and_match_hf(tmp_path, monkeypatch):
+    """Decode steps through the decode graphs' replays (run eagerly, as tests/test_step_inputs.py does) on the Triton
+    backend: the replay's order (longest context first) reaches the decode kernel, whose rows still get their own
+    attention: greedy tokens as HF's, teacher-forced."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine import model_runner
+    from nanovllm.engine.staging import Staging
+    from nanovllm.utils.random_checkpoint import make_random_checkpoint
+    from tests.conftest import assert_greedy_matches_hf
+    from tests.test_models import hf_model
+    from tests.test_step_inputs import EagerGraphs
+    monkeypatch.setattr(model_runner.ModelRunner, "_backend_name", lambda self: "triton")
+    monkeypatch.setattr(triton_attention, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)
+    orders = []
+    decode = triton_attention.decode_attention
+    monkeypatch.setattr(triton_attention, "decode_attention", lambda *a, **kw: orders.append(
+        None if kw.get("order") is None else kw["order"].tolist()) or decode(*a, **kw))
+    path = make_random_checkpoint(tmp_path / "tiny", "tiny")
+    prompts = [[5, 9, 200, 31], [7] * 40, list(range(3, 60))]
+    with LLM(str(path), kvcache_block_size=16, max_num_batched_tokens=64, num_kvcache_blocks=24,
+             max_num_seqs=4) as llm:
+        runner, config = llm.model_runner, llm.config
+        runner.staging = Staging(runner.device, pack=True)
+        runner.graphs = EagerGraphs(runner.model, config.max_num_seqs, config.max_model_len, runner.block_size,
+                                    runner.device)
+        orders.clear()  # (the graphs' warm-up and capture)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    hf = hf_model(path)
+    for prompt, out in zip(prompts, outputs):
+        assert_greedy_matches_hf(hf, prompt, out["token_ids"])
+    assert [2, 1, 0, 3] in orders  # the three contexts longest first, then the padding row
