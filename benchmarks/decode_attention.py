@@ -141,9 +141,14 @@ def short_tile_cases() -> list:
     return [(b, c, False, dict(kv_tile=t, num_warps=w, num_stages=st)) for b, c in shapes for t, w, st in tiles]
 
 
+def cell(us: float, p: Problem) -> str:
+    """Microseconds and, in brackets, TB/s of bf16 KV read."""
+    return f"{us:.1f} ({p.bytes_bf16 / us / 1e6:.2f})"
+
+
 def ragged(args):
-    """Splits against ragged contexts (bench.py's: 100 to 2,048 tokens, uniform): where one sequence is twice the
-    mean, the programs of the long ones end last; splits even them out at the cost of a merge."""
+    """Splits against ragged contexts (bench.py's: 100 to 2,048 tokens, uniform), in batch order and longest first
+    (the order the engine's decode graphs give the kernel), beside equal contexts of their mean."""
     copy = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"copy bandwidth {copy:.2f} TB/s; contexts uniform in 100..2048, block 256; us (TB/s)")
@@ -152,16 +157,15 @@ def ragged(args):
           + " | " + " | ".join(f"longest first, {s} splits" for s in splits) + " |")
     print("| ---: " * (2 * len(splits) + 3) + "|")
     for batch in args.batch:
-        cells = []
         equal = Problem(batch, 1074, 256, fp8=False)  # the mean context, for comparison
-        cells.append((time_us(equal.triton(num_splits=1)), equal.bytes_bf16 / 1e9))
+        cells = [cell(time_us(equal.triton(num_splits=1)), equal)]
         del equal
         for longest_first in (False, True):
             p = Problem(batch, 2048, 256, fp8=False, shortest=100, longest_first=longest_first)
-            cells += [(time_us(p.triton(num_splits=s)), p.bytes_bf16 / 1e9) for s in splits]
+            cells += [cell(time_us(p.triton(num_splits=s)), p) for s in splits]
             del p
-        print(f"| {batch} | {triton_attention.decode_splits(batch, KV_HEADS, sms)} | "
-              + " | ".join(f"{us:.1f} ({gb / us * 1e3:.2f})" for us, gb in cells) + " |", flush=True)
+        print(f"| {batch} | {triton_attention.decode_splits(batch, KV_HEADS, sms)} | " + " | ".join(cells) + " |",
+              flush=True)
         torch.cuda.empty_cache()
 
 
@@ -177,8 +181,7 @@ def ragged_tiles(args):
         problems = Problem(batch, 2048, 256, fp8=False, shortest=100), Problem(batch, 1074, 256, fp8=False)
         for tile, warps, stages in tiles:
             for p in problems:
-                us = time_us(p.triton(num_splits=1, kv_tile=tile, num_warps=warps, num_stages=stages))
-                cells.append(f"{us:.1f} ({p.bytes_bf16 / us / 1e6:.2f})")
+                cells.append(cell(time_us(p.triton(num_splits=1, kv_tile=tile, num_warps=warps, num_stages=stages)), p))
         print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
         del problems
         torch.cuda.empty_cache()
