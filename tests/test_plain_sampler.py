@@ -79,13 +79,14 @@ def small_tiles(monkeypatch):
 def test_kernel_greedy_rows_are_exact_argmax(small_tiles, dtype):
     vocab = 150 if DEVICE.type == "cpu" else 151936
     wide = tied_logits(6, vocab + 8, seed=4).to(DEVICE, dtype)
+    wide[2, [7, 7 + 2 * triton_sampler.BLOCK]] = 9.0  # a tie two tiles apart: in one lane of the kernel's tiles
     logits = wide[:, :vocab]  # a row stride wider than the vocabulary, as a tensor-parallel LM head gives
     temperatures = torch.tensor([0.0, 0.8, 0.0, 1.5, 0.0, 0.0], device=DEVICE)
     rng_state = triton_sampler.make_rng_state(5, DEVICE)
     draws = triton_sampler.sample_plain(logits, temperatures, rng_state)
     greedy = temperatures == 0
     assert torch.equal(draws[greedy], logits[greedy].float().argmax(dim=1))
-    assert draws[0].item() == 3
+    assert draws[0].item() == 3 and draws[2].item() == 7
     assert ((draws >= 0) & (draws < vocab)).all()
     assert rng_state.tolist() == [5, 1]  # the step advanced on the device
 
