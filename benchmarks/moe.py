@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from decode_attention import copy_bandwidth  # noqa: E402  (this folder, as python runs a script)
 from nanovllm.layers import triton_moe  # noqa: E402
 from nanovllm.layers.triton_guard import triton_available  # noqa: E402
 from nanovllm.layers.moe import experts_torch, route  # noqa: E402
@@ -33,14 +34,6 @@ def time_us(fn, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / iters
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 2 GiB device-to-device copy."""
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src), 10)
-    return 2 * src.numel() * src.element_size() / (us * 1e-6)
 
 
 def matmul_flops() -> float:
@@ -72,7 +65,7 @@ def main():
     dev = dict(dtype=torch.bfloat16, device="cuda")
     gate_up = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, **dev) * HIDDEN ** -0.5
     down = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, **dev) * INTERMEDIATE ** -0.5
-    bandwidth, flops_rate = copy_bandwidth(), matmul_flops()
+    bandwidth, flops_rate = copy_bandwidth() * 1e12, matmul_flops()  # bytes/s, FLOP/s
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton_moe.triton.__version__}: "
           f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s")
     print("| tokens | experts hit | floor us | fused us | fused TB/s | fused % of floor | torch loop us | speedup "

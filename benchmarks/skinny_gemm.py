@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from decode_attention import copy_bandwidth  # noqa: E402  (this folder, as python runs a script)
 from nanovllm.layers import triton_skinny  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
@@ -41,13 +42,6 @@ def chain_us(fn) -> float:
         for i in range(LAYERS):
             fn(i)
     return do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3 / LAYERS
-
-
-def copy_bandwidth() -> float:
-    """TB/s of a 1 GiB device copy, bytes read and written."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / do_bench(lambda: dst.copy_(src), warmup=5, rep=30) / 1e9
 
 
 def main():
