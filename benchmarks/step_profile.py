@@ -1,7 +1,7 @@
 """bench.py's workload step by step on CUDA: each step's wall time, its prefill and decode tokens, and the bytes a
 decode step must read (the weights once plus every running sequence's KV), against the bandwidth of a device copy
-measured in the same run (`decode_attention.copy_bandwidth`). The method of `../shared/gpu/step_profile.py` (which wraps `LLM.step`;
-`generate` runs `LLMEngine._step`, wrapped here).
+measured in the same run (`decode_attention.copy_bandwidth`). The method of `../shared/gpu/step_profile.py`
+(which wraps `LLM.step`; `generate` runs `LLMEngine._step`, wrapped here).
 
     python benchmarks/step_profile.py [--num-seqs 256] [--kv-cache-dtype auto]
 

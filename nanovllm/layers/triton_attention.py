@@ -248,8 +248,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), kv_heads * head_dim, head_dim, block_tables.stride(0),
         num_splits=num_splits, min_split_tokens=min_split_tokens, QUERY_TILE=1, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, TILE_MAP=False, ORDER=order is not None,
-        num_warps=warps,
-        num_stages=stages, **args, **pdl)
+        num_warps=warps, num_stages=stages, **args, **pdl)
     if split:
         _merge_splits_kernel[(batch, num_heads)](
             partial, lse, out, num_splits, HEAD_DIM=head_dim, DIM_PAD=args["DIM_PAD"],
@@ -293,13 +292,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         grid = (tile_map.size(0), 1, kv_heads)
     _attention_kernel[grid](
         q, keys, values, out, out, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
-        meta.cu_seqlens_q if tile_map is None else tile_map, meta.cu_seqlens_q, q.stride(0), q.stride(1), token_stride,
-        head_stride,
-        meta.block_tables.stride(0),
+        meta.cu_seqlens_q if tile_map is None else tile_map, meta.cu_seqlens_q,  # (the order: unused)
+        q.stride(0), q.stride(1), token_stride, head_stride, meta.block_tables.stride(0),
         num_splits=1, min_split_tokens=0, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile, BLOCK_SIZE=block_size,
         DECODE=False, PAGED=paged, SPLIT=False, TILE_MAP=tile_map is not None, ORDER=False, num_warps=4,
-        num_stages=2, **args,
-        **pdl_args(q.device))
+        num_stages=2, **args, **pdl_args(q.device))
     return out
 
 
