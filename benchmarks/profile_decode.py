@@ -64,7 +64,11 @@ def profile_batch(llm, batch: int, args) -> float:
     finish before it returns."""
     begin = time.perf_counter()
     scheduler = llm.scheduler
-    params = SamplingParams(temperature=0.6, max_tokens=2 * args.steps + 8, ignore_eos=True)
+    # a sequence prefilled early decodes in every later prefill step: its length must outlast those steps, the
+    # warm-up, the timed and the profiled steps, or the profiled batch is smaller than `batch`
+    budget = llm.config.max_num_batched_tokens - batch  # (a mixed step's decodes take part of its token budget)
+    prefill_steps = -(-batch * args.context // max(budget, 1)) + 2
+    params = SamplingParams(temperature=0.6, max_tokens=prefill_steps + 5 + 2 * args.steps + 2, ignore_eos=True)
     for i in range(batch):
         scheduler.add(Sequence([(i * 7 + j) % 10000 for j in range(args.context)], params))
     while scheduler.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in scheduler.running):
@@ -79,13 +83,18 @@ def profile_batch(llm, batch: int, args) -> float:
     torch.cuda.synchronize()
     per_step = (time.perf_counter() - start) / args.steps
     print(f"batch {batch}, context ~{args.context}: {per_step * 1e3:.3f} ms/step, {batch / per_step:.0f} tok/s")
+    assert len(scheduler.running) == batch, f"{len(scheduler.running)} of {batch} sequences still running"
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         for _ in range(args.steps):
             llm.step()
         torch.cuda.synchronize()
+        profiled = (time.perf_counter() - start) / args.steps
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     print(device_idle(prof, args.steps))
+    print(f"profiled steps: {profiled * 1e3:.3f} ms/step of wall time")
+    assert len(scheduler.running) == batch, f"{len(scheduler.running)} of {batch} sequences still running"
     if args.trace:
         prof.export_chrome_trace(f"{args.trace}.{batch}.json" if len(args.batch) > 1 else args.trace)
     while not scheduler.is_finished():
