@@ -213,8 +213,8 @@ def test_kernel_compiles_for_sm90():
                      out_ptr="*i64", score_ptr="*i64", vocab_size="i32", part_size="i32")
     compile_for_sm90([
         ("nanovllm.layers.triton_sampler", "_sample_plain_kernel", signature,
-         dict(BLOCK=triton_sampler.BLOCK, SPLIT=False), dict(num_warps=8)),
+         dict(BLOCK=triton_sampler.BLOCK, SPLIT=False, FAST_LOG=True), dict(num_warps=8)),
         ("nanovllm.layers.triton_sampler", "_sample_plain_kernel", signature | dict(score_ptr="*fp32"),
-         dict(BLOCK=triton_sampler.BLOCK, SPLIT=True), dict(num_warps=8)),
+         dict(BLOCK=triton_sampler.BLOCK, SPLIT=True, FAST_LOG=True), dict(num_warps=8)),
         ("nanovllm.layers.triton_sampler", "_pick_kernel", dict(score_ptr="*fp32", index_ptr="*i64", out_ptr="*i64",
                                                                  parts="i32"), dict(PARTS_PAD=64), dict(num_warps=1))])

@@ -4,7 +4,10 @@ Contract, the same draws in law as `Sampler.forward`'s torch path:
 - logits: [rows, vocab], any float dtype and row stride, the last dimension contiguous;
 - temperatures: float32 [rows]; 0 takes the argmax (the first one, as torch.argmax does);
 - a row with temperature T > 0 draws argmax(logits / T - log E), E ~ Exp(1) for each token (the exponential
-  race, a Gumbel-max draw): a draw from softmax(logits / T);
+  race, a Gumbel-max draw): a draw from softmax(logits / T). The kernel ranks the same scores in base 2,
+  logits * log2(e) / T - log2(-log2 U) (E = -ln U, U uniform; the two differ by a factor and a constant), with
+  the GPU's approximate log2 on CUDA (two instructions a token, where the exact log is a polynomial of about
+  twenty) and Triton's exact one under the CPU interpreter;
 - rng_state: int64 [2] on the logits' device, [seed, step]. The noise of row i at step s comes from Philox with
   key `seed` and counter (lane, i, s as two words), whose four output words serve four tiles: every draw is
   fresh, and `sample_plain` adds 1 to the step on the device after the kernel, so a CUDA graph that captured it
@@ -28,20 +31,28 @@ MAX_PARTS = 64  # (one width for the pick kernel, so no row count compiles a var
 if triton is not None:
 
     @triton.jit
-    def _race_tile(row_ptr, tile_start, cols, end, temperature, bits, best_score, best_index,
-                   NOISE: tl.constexpr):
-        """Fold one tile of the row into each lane's running (score, index): no reduction across lanes here."""
+    def _log2(x, FAST_LOG: tl.constexpr):
+        if FAST_LOG:
+            return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        return tl.log2(x)
+
+    @triton.jit
+    def _race_tile(row_ptr, tile_start, cols, end, scale, bits, best_score, best_index,
+                   NOISE: tl.constexpr, FAST_LOG: tl.constexpr):
+        """Fold one tile of the row into each lane's running (score, index): no reduction across lanes here.
+        scale: log2(e) / temperature."""
         tile = tile_start + cols
         x = tl.load(row_ptr + tile, mask=tile < end, other=float("-inf")).to(tl.float32)
         if NOISE:
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # uniform in (0, 1), never 0 or 1
-            x = x / temperature - tl.log(-tl.log(u))
+            x = x * scale - _log2(-_log2(u, FAST_LOG), FAST_LOG)
         better = x > best_score  # strictly: of equal scores a lane keeps its first, as torch.argmax does
         return tl.where(better, x, best_score), tl.where(better, tile, best_index)
 
     @triton.jit
-    def _best_of_part(row_ptr, begin, end, temperature, seed, row, step, BLOCK: tl.constexpr,
-                      NOISE: tl.constexpr):
+    def _best_of_part(row_ptr, begin, end, scale, seed, row, step, BLOCK: tl.constexpr,
+                      NOISE: tl.constexpr, FAST_LOG: tl.constexpr):
         """The (score, index) of the winner of tokens begin..end of the row, scanned in groups of four tiles
         (`begin` starts a group: a token's random bits do not depend on the parts)."""
         cols = tl.arange(0, BLOCK)
@@ -54,21 +65,22 @@ if triton is not None:
                                            (zero + (step >> 32)).to(tl.uint32))
             else:  # greedy: no random bits
                 b0, b1, b2, b3 = zero, zero, zero, zero
-            best_score, best_index = _race_tile(row_ptr, start, cols, end, temperature, b0,
-                                                best_score, best_index, NOISE)
-            best_score, best_index = _race_tile(row_ptr, start + BLOCK, cols, end, temperature, b1,
-                                                best_score, best_index, NOISE)
-            best_score, best_index = _race_tile(row_ptr, start + 2 * BLOCK, cols, end, temperature, b2,
-                                                best_score, best_index, NOISE)
-            best_score, best_index = _race_tile(row_ptr, start + 3 * BLOCK, cols, end, temperature, b3,
-                                                best_score, best_index, NOISE)
+            best_score, best_index = _race_tile(row_ptr, start, cols, end, scale, b0,
+                                                best_score, best_index, NOISE, FAST_LOG)
+            best_score, best_index = _race_tile(row_ptr, start + BLOCK, cols, end, scale, b1,
+                                                best_score, best_index, NOISE, FAST_LOG)
+            best_score, best_index = _race_tile(row_ptr, start + 2 * BLOCK, cols, end, scale, b2,
+                                                best_score, best_index, NOISE, FAST_LOG)
+            best_score, best_index = _race_tile(row_ptr, start + 3 * BLOCK, cols, end, scale, b3,
+                                                best_score, best_index, NOISE, FAST_LOG)
         # the lanes' winners to one: the best score, the first token of equal ones (each lane holds its first)
         score = tl.max(best_score, 0)
         return score, tl.min(tl.where(best_score == score, best_index, end), 0)
 
     @triton.jit
     def _sample_plain_kernel(logits_ptr, row_stride, temperatures_ptr, rng_state_ptr, out_ptr, score_ptr,
-                             vocab_size, part_size, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+                             vocab_size, part_size, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                             FAST_LOG: tl.constexpr):
         """Program (row, part): the winner of the part's tokens, into out (SPLIT: with its score, one slot per
         part, for `_pick_kernel`)."""
         row, part = tl.program_id(0), tl.program_id(1)
@@ -79,9 +91,10 @@ if triton is not None:
         seed = tl.load(rng_state_ptr)
         step = tl.load(rng_state_ptr + 1)
         if temperature > 0:
-            score, index = _best_of_part(row_ptr, begin, end, temperature, seed, row, step, BLOCK, True)
+            score, index = _best_of_part(row_ptr, begin, end, 1.4426950408889634 / temperature, seed, row, step,
+                                         BLOCK, True, FAST_LOG)
         else:
-            score, index = _best_of_part(row_ptr, begin, end, temperature, seed, row, step, BLOCK, False)
+            score, index = _best_of_part(row_ptr, begin, end, 1.0, seed, row, step, BLOCK, False, FAST_LOG)
         slot = row * tl.num_programs(1) + part
         tl.store(out_ptr + slot, index.to(tl.int64))
         if SPLIT:
@@ -130,7 +143,8 @@ def sample_plain(logits: torch.Tensor, temperatures: torch.Tensor, rng_state: to
         indices = torch.empty(rows, parts, dtype=torch.int64, device=logits.device) if split else out
         scores = torch.empty(rows, parts, dtype=torch.float32, device=logits.device) if split else out
         _sample_plain_kernel[(rows, parts)](logits, logits.stride(0), temperatures, rng_state, indices, scores,
-                                            vocab_size, part_size, BLOCK=BLOCK, SPLIT=split, num_warps=8)
+                                            vocab_size, part_size, BLOCK=BLOCK, SPLIT=split,
+                                            FAST_LOG=logits.is_cuda, num_warps=8)
         if split:
             _pick_kernel[(rows,)](scores, indices, out, parts, PARTS_PAD=MAX_PARTS, num_warps=1)
     rng_state[1:].add_(1)
