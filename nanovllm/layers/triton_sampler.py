@@ -32,6 +32,8 @@ if triton is not None:
 
     @triton.jit
     def _log2(x, FAST_LOG: tl.constexpr):
+        """log2(x): the GPU's approximate instruction (FAST_LOG), or Triton's exact log2 (the interpreter cannot
+        run inline assembly)."""
         if FAST_LOG:
             return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
                                              is_pure=True, pack=1)
@@ -92,7 +94,7 @@ if triton is not None:
         step = tl.load(rng_state_ptr + 1)
         if temperature > 0:
             score, index = _best_of_part(row_ptr, begin, end, 1.4426950408889634 / temperature, seed, row, step,
-                                         BLOCK, True, FAST_LOG)
+                                         BLOCK, True, FAST_LOG)  # log2(e) / T
         else:
             score, index = _best_of_part(row_ptr, begin, end, 1.0, seed, row, step, BLOCK, False, FAST_LOG)
         slot = row * tl.num_programs(1) + part
