@@ -20,6 +20,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
 STEP_GAP_US = 20.0
+WARM_UP_STEPS = 5  # decode steps after the prefill, before the timed ones
 
 
 def device_idle(prof, steps: int) -> str:
@@ -68,12 +69,13 @@ def profile_batch(llm, batch: int, args) -> float:
     # warm-up, the timed and the profiled steps, or the profiled batch is smaller than `batch`
     budget = llm.config.max_num_batched_tokens - batch  # (a mixed step's decodes take part of its token budget)
     prefill_steps = -(-batch * args.context // max(budget, 1)) + 2
-    params = SamplingParams(temperature=0.6, max_tokens=prefill_steps + 5 + 2 * args.steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.6, max_tokens=prefill_steps + WARM_UP_STEPS + 2 * args.steps + 2,
+                            ignore_eos=True)
     for i in range(batch):
         scheduler.add(Sequence([(i * 7 + j) % 10000 for j in range(args.context)], params))
     while scheduler.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in scheduler.running):
         llm.step()  # prefill
-    for _ in range(5):
+    for _ in range(WARM_UP_STEPS):
         llm.step()
     torch.cuda.synchronize()
 
