@@ -5,6 +5,9 @@ the GPU sits idle between steps (the host gap that overlap scheduling should hid
 
 Several batch sizes run one after the other in one engine; a table of ms/step by batch closes the output.
 
+The critical path (`chain`): what each kernel adds to a step's GPU time, where dependent launches make kernels
+overlap and their own durations mislead.
+
 Idle time: the profiler's kernel and memcpy records of the timed steps, sorted by start; every gap between the end
 of one and the start of the next counts. "gaps > 20 us" are the step boundaries (inside a CUDA graph replay
 kernels follow each other within a few microseconds); "idle" is all of it, per step.
@@ -38,6 +41,24 @@ def device_idle(prof, steps: int) -> str:
     return (f"device records {len(spans) / steps:.0f}/step, busy {busy / steps / 1e3:.3f} ms/step (summed), idle "
             f"{sum(gaps) / steps / 1e3:.3f} ms/step; gaps > {STEP_GAP_US:.0f} us: {len(big) / steps:.1f}/step, "
             f"{sum(big) / steps / 1e3:.3f} ms/step, largest {max(gaps) / 1e3:.3f} ms")
+
+
+def chain(spans: list[tuple[str, float, float]], steps: int) -> list[tuple[str, float, float]]:
+    """What each kernel adds to the GPU's critical path, from (name, start, end) records in microseconds: taken in
+    order of start, each record moves the latest end seen so far by `end - max(latest, start)`, and a gap before
+    it shorter than STEP_GAP_US (idle inside a step) counts to it too. With dependent launches a kernel starts
+    long before the one before it ends, so its own duration says little; this says what it costs a step.
+    Returns (name, records per step, microseconds per step), the costliest first."""
+    adds, count, latest = {}, {}, None
+    for name, start, end in sorted(spans, key=lambda span: span[1]):
+        name = name.split("<")[0].split("(")[0][:48]
+        if latest is None:
+            latest = start
+        gap = start - latest
+        adds[name] = adds.get(name, 0.0) + max(0.0, end - max(latest, start)) + (gap if 0 < gap < STEP_GAP_US else 0)
+        count[name] = count.get(name, 0) + 1
+        latest = max(latest, end)
+    return sorted(((name, count[name] / steps, us / steps) for name, us in adds.items()), key=lambda row: -row[2])
 
 
 def main():
@@ -95,6 +116,11 @@ def profile_batch(llm, batch: int, args) -> float:
         profiled = (time.perf_counter() - start) / args.steps
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     print(device_idle(prof, args.steps))
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    print("| kernel | per step | adds to the critical path, us/step |\n| --- | ---: | ---: |")
+    for name, per_step, us in chain(spans, args.steps)[:args.rows]:
+        print(f"| {name} | {per_step:.0f} | {us:.1f} |")
     print(f"profiled steps: {profiled * 1e3:.3f} ms/step of wall time")
     assert len(scheduler.running) == batch, f"{len(scheduler.running)} of {batch} sequences still running"
     if args.trace:
