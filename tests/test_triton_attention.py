@@ -87,17 +87,20 @@ def decode_cases():
         contexts = [1, block_size, block_size + 1] + [rng.randint(2, 4 * block_size) for _ in range(2)]
         splits = [1, 2, 3, 1, 5, 4, 1, 2][i]
         case = dict(group=group, num_kv_heads=num_kv_heads, head_dim=head_dims[i], block_size=block_size,
-                    contexts=contexts, splits=splits, kv_fp8=i % 2 == 1, q_gain=30.0 if i in (1, 5) else 1.0)
+                    contexts=contexts, splits=splits, kv_fp8=i % 2 == 1, q_gain=30.0 if i in (1, 5) else 1.0,
+                    tile_merge=i in (2, 4, 5))  # merged by a tile across the threads (as more splits are)
         cases.append(pytest.param(case, id=f"g{group}-d{head_dims[i]}-b{block_size}-s{splits}"
-                                           f"{'-fp8' if case['kv_fp8'] else ''}{'-peaky' if i in (1, 5) else ''}"))
+                                           f"{'-fp8' if case['kv_fp8'] else ''}{'-peaky' if i in (1, 5) else ''}"
+                                           f"{'-tile' if case['tile_merge'] else ''}"))
     return cases
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", decode_cases())
-def test_decode_matches_reference(case, dtype):
+def test_decode_matches_reference(case, dtype, monkeypatch):
     """Ragged contexts, splits of 16 tokens so even short contexts split, large logits in the peaky cases (an
-    unscaled merge of splits overflows there)."""
+    unscaled merge of splits overflows there); both ways of merging the splits."""
+    monkeypatch.setattr(triton_attention, "PER_THREAD_SPLITS", 0 if case["tile_merge"] else 32)
     contexts = case["contexts"]
     q, k, v, caches, meta = make_case([1] * len(contexts), contexts, case["group"] * case["num_kv_heads"],
                                       case["num_kv_heads"], case["head_dim"], case["block_size"], case["kv_fp8"],
@@ -108,6 +111,24 @@ def test_decode_matches_reference(case, dtype):
     out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, q.size(-1) ** -0.5,
                                             *scales, num_splits=case["splits"], min_split_tokens=16)
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("per_thread", [True, False])
+def test_merge_weighs_splits_by_their_lse_without_overflow(per_thread, monkeypatch):
+    """Splits whose log-sum-exps lie hundreds apart (exp2 of their differences overflows float32), empty ones
+    (-inf), all empty (0 out): the merge is the float64 weighted mean, each way of merging."""
+    monkeypatch.setattr(triton_attention, "PER_THREAD_SPLITS", 32 if per_thread else 0)
+    gen = torch.Generator().manual_seed(5)
+    partial = torch.randn(3, 2, 5, 64, generator=gen)
+    lse = torch.tensor([[0.0, 300.0, -200.0, float("-inf"), -100.0], [5.0, float("-inf"), 4.0, 3.0, -400.0]])
+    lse = torch.stack([lse, lse.flip(-1), torch.randn(2, 5, generator=gen)])
+    lse[2, 0] = float("-inf")
+    top = lse.double().amax(-1, keepdim=True)
+    weight = torch.exp2(lse.double() - top.clamp(min=0))  # (an all-empty row: every weight 0)
+    expected = (weight[..., None] * partial.double()).sum(2) / weight.sum(-1).clamp(min=1e-300)[..., None]
+    out = torch.empty(3, 2, 64, device=DEVICE)
+    triton_attention.merge_splits(partial.to(DEVICE), lse.to(DEVICE), out)
+    assert_close(out, expected, torch.float32)
 
 
 def test_decode_default_split_size():
@@ -423,14 +444,19 @@ def test_kernels_compile_for_sm90():
     """The CPU tests run the kernels through Triton's interpreter, which does not type-check them as the compiler
     does (tests/test_triton_rope_store.py had a kernel that passed them and failed to compile on the H200).
     Attention: decode split over a bf16 cache and unsplit over an FP8 one, prefill over an FP8 cache, a
-    warm-up's over its own keys and a graph's through a tile map, and the merge of a batch of one's 64 splits; the KV store into both caches."""
+    warm-up's over its own keys and a graph's through a tile map, the merges of a batch of one's 64 splits and
+    of batch 8's 8; the KV store into both caches."""
     cases = [attention_case("bf16", decode=True, split=True), attention_case("fp8e4nv", decode=True),
              attention_case("fp8e4nv", decode=False), attention_case("bf16", decode=False, paged=False),
              attention_case("bf16", decode=False, tile_map=True)]
     splits = triton_attention.decode_splits(1, 8, 132)
     cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel",
-                  dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32"),
-                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=triton_attention.triton.next_power_of_2(splits), PDL=True)))
+                  dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS=splits, SPLITS_PAD=splits, PER_THREAD=False, PDL=True)))
+    cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel",  # batch 8's, one dim a thread
+                  dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS=8, SPLITS_PAD=8, PER_THREAD=True, PDL=True),
+                  dict(num_warps=4)))
     for cache in ("bf16", "fp8e4nv"):  # k and v are slices of the qkv projection's [tokens, (16 + 2 * 8) * 128]
         cases.append(("nanovllm.layers.triton_kvstore", "_store_kvcache_kernel", dict(
             k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", slot_mapping_ptr="*i64",

@@ -42,6 +42,10 @@ SPLIT_BELOW_PROGRAMS_PER_SM = 2  # split when batch x kv_heads < this many progr
 SPLIT_TARGET_PROGRAMS_PER_SM = 4  # and then make at most this many (more than two waves loses to the tail)
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
+# the merge of at most this many splits keeps each dim in one thread (`_merge_splits_kernel`): on an H200 in a
+# decode step it took 1.3-1.9 us a layer at 2-8 splits where a tile across the threads took 6.6-7.1; at 64 splits
+# it took 3.6 against 3.3
+PER_THREAD_SPLITS = 32
 QUERY_ROWS = 64  # varlen: query rows (tokens x heads of one KV head) per program
 # a mixed step with at least this many leading decodes attends them with the decode kernel (0: never);
 # NANOVLLM_SPLIT_DECODES overrides it, for comparison
@@ -150,21 +154,39 @@ if triton is not None:
                      mask=out_mask)
 
     @triton.jit
-    def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
-                             HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                             SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PER_THREAD: tl.constexpr,
                              PDL: tl.constexpr):
+        """One (token, head) a program. PER_THREAD (up to PER_THREAD_SPLITS splits): one dim a thread, each
+        thread reads every split's lse (one address across the warp) and its dim of every split's output, all at
+        once (the splits unrolled), and weighs them itself, so no value crosses threads. Else a tile of the splits
+        across the threads, reduced across them (fewer instructions a thread)."""
         dependent_start(PDL)
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # token * num_heads + head
-        splits = tl.arange(0, SPLITS_PAD)
         dims = tl.arange(0, DIM_PAD)
-        lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
-        top = tl.max(lse, 0)
-        weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # an empty split weighs 0
-        mask = (splits < num_splits)[:, None] & (dims < HEAD_DIM)[None, :]
-        partial = tl.load(partial_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-                          mask=mask, other=0.0)
-        total = tl.sum(weight, 0)
-        out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
+        if PER_THREAD:
+            top = tl.load(lse_ptr + row * SPLITS)
+            for s in tl.static_range(1, SPLITS):
+                top = tl.maximum(top, tl.load(lse_ptr + row * SPLITS + s))
+            top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: each weighs 0 below
+            total = 0.0
+            out = tl.zeros([DIM_PAD], tl.float32)
+            for s in tl.static_range(SPLITS):
+                weight = tl.exp2(tl.load(lse_ptr + row * SPLITS + s) - top)  # an empty split (-inf) weighs 0
+                out += weight * tl.load(partial_ptr + (row * SPLITS + s) * HEAD_DIM + dims, mask=dims < HEAD_DIM,
+                                        other=0.0)
+                total += weight
+        else:
+            splits = tl.arange(0, SPLITS_PAD)
+            lse = tl.load(lse_ptr + row * SPLITS + splits, mask=splits < SPLITS, other=float("-inf"))
+            top = tl.max(lse, 0)
+            weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # an empty split weighs 0
+            mask = (splits < SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
+            partial = tl.load(partial_ptr + (row * SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :], mask=mask,
+                              other=0.0)
+            total = tl.sum(weight, 0)
+            out = tl.sum(weight[:, None] * partial, 0)
+        out = out / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
@@ -250,10 +272,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, TILE_MAP=False, ORDER=order is not None,
         num_warps=warps, num_stages=stages, **args, **pdl)
     if split:
-        _merge_splits_kernel[(batch, num_heads)](
-            partial, lse, out, num_splits, HEAD_DIM=head_dim, DIM_PAD=args["DIM_PAD"],
-            SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)), num_warps=4, **pdl)
+        merge_splits(partial, lse, out)
     return out
+
+
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor):
+    """out [tokens, heads, head_dim] = the splits' outputs (partial [tokens, heads, splits, head_dim] float32, each
+    normalised over its keys) weighted by exp2(lse [tokens, heads, splits]), over the sum of the weights."""
+    tokens, heads, splits, head_dim = partial.shape
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    per_thread = splits <= PER_THREAD_SPLITS
+    _merge_splits_kernel[(tokens, heads)](
+        partial, lse, out, HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS=splits,
+        SPLITS_PAD=triton.next_power_of_2(splits), PER_THREAD=per_thread,
+        num_warps=max(1, min(8, dim_pad // 32)) if per_thread else 4, **pdl_args(partial.device))
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
