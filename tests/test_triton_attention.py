@@ -451,11 +451,11 @@ def test_kernels_compile_for_sm90():
              attention_case("bf16", decode=False, tile_map=True)]
     splits = triton_attention.decode_splits(1, 8, 132)
     cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel",
-                  dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),
-                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS=splits, SPLITS_PAD=splits, PER_THREAD=False, PDL=True)))
+                  dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32"),
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=splits, SPLITS=0, PDL=True)))
     cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel",  # batch 8's, one dim a thread
-                  dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),
-                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS=8, SPLITS_PAD=8, PER_THREAD=True, PDL=True),
+                  dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32"),
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=16, SPLITS=8, PDL=True),
                   dict(num_warps=4)))
     for cache in ("bf16", "fp8e4nv"):  # k and v are slices of the qkv projection's [tokens, (16 + 2 * 8) * 128]
         cases.append(("nanovllm.layers.triton_kvstore", "_store_kvcache_kernel", dict(

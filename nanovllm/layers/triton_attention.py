@@ -154,17 +154,16 @@ if triton is not None:
                      mask=out_mask)
 
     @triton.jit
-    def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                             SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PER_THREAD: tl.constexpr,
-                             PDL: tl.constexpr):
-        """One (token, head) a program. PER_THREAD (up to PER_THREAD_SPLITS splits): one dim a thread, each
-        thread reads every split's lse (one address across the warp) and its dim of every split's output, all at
-        once (the splits unrolled), and weighs them itself, so no value crosses threads. Else a tile of the splits
-        across the threads, reduced across them (fewer instructions a thread)."""
+    def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
+                             DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+        """One (token, head) a program. SPLITS (num_splits, up to PER_THREAD_SPLITS; else 0): one dim a thread,
+        each thread reads every split's lse (one address across the warp) and its dim of every split's output, all
+        at once (the splits unrolled), and weighs them itself, so no value crosses threads. Else a tile of the
+        splits across the threads, reduced across them (fewer instructions a thread)."""
         dependent_start(PDL)
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # token * num_heads + head
         dims = tl.arange(0, DIM_PAD)
-        if PER_THREAD:
+        if SPLITS:
             top = tl.load(lse_ptr + row * SPLITS)
             for s in tl.static_range(1, SPLITS):
                 top = tl.maximum(top, tl.load(lse_ptr + row * SPLITS + s))
@@ -178,12 +177,12 @@ if triton is not None:
                 total += weight
         else:
             splits = tl.arange(0, SPLITS_PAD)
-            lse = tl.load(lse_ptr + row * SPLITS + splits, mask=splits < SPLITS, other=float("-inf"))
+            lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
             top = tl.max(lse, 0)
             weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # an empty split weighs 0
-            mask = (splits < SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
-            partial = tl.load(partial_ptr + (row * SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :], mask=mask,
-                              other=0.0)
+            mask = (splits < num_splits)[:, None] & (dims < HEAD_DIM)[None, :]
+            partial = tl.load(partial_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+                              mask=mask, other=0.0)
             total = tl.sum(weight, 0)
             out = tl.sum(weight[:, None] * partial, 0)
         out = out / tl.where(total > 0, total, 1.0)
@@ -283,8 +282,8 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor):
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     per_thread = splits <= PER_THREAD_SPLITS
     _merge_splits_kernel[(tokens, heads)](
-        partial, lse, out, HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS=splits,
-        SPLITS_PAD=triton.next_power_of_2(splits), PER_THREAD=per_thread,
+        partial, lse, out, splits, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        SPLITS_PAD=max(16, triton.next_power_of_2(splits)), SPLITS=splits if per_thread else 0,
         num_warps=max(1, min(8, dim_pad // 32)) if per_thread else 4, **pdl_args(partial.device))
 
 
