@@ -118,6 +118,12 @@ def test_merge_weighs_splits_by_their_lse_without_overflow(per_thread, monkeypat
     """Splits whose log-sum-exps lie hundreds apart (exp2 of their differences overflows float32), empty ones
     (-inf), all empty (0 out): the merge is the float64 weighted mean, each way of merging."""
     monkeypatch.setattr(triton_attention, "PER_THREAD_SPLITS", 32 if per_thread else 0)
+    kernel, launches = triton_attention._merge_splits_kernel, []
+
+    class Spy:  # records the way of merging each launch takes (SPLITS: one dim a thread; 0: the tile)
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw["SPLITS"]) or kernel[grid](*args, **kw)
+    monkeypatch.setattr(triton_attention, "_merge_splits_kernel", Spy())
     gen = torch.Generator().manual_seed(5)
     partial = torch.randn(3, 2, 5, 64, generator=gen)
     lse = torch.tensor([[0.0, 300.0, -200.0, float("-inf"), -100.0], [5.0, float("-inf"), 4.0, 3.0, -400.0]])
@@ -129,6 +135,7 @@ def test_merge_weighs_splits_by_their_lse_without_overflow(per_thread, monkeypat
     out = torch.empty(3, 2, 64, device=DEVICE)
     triton_attention.merge_splits(partial.to(DEVICE), lse.to(DEVICE), out)
     assert_close(out, expected, torch.float32)
+    assert launches == [5 if per_thread else 0]
 
 
 def test_decode_default_split_size():
