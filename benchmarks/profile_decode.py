@@ -26,10 +26,15 @@ STEP_GAP_US = 20.0
 WARM_UP_STEPS = 5  # decode steps after the prefill, before the timed ones
 
 
-def device_idle(prof, steps: int) -> str:
-    """GPU idle time per step between the device records (kernels, copies, memsets) of the profiled steps."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+def device_records(prof) -> list[tuple[str, float, float]]:
+    """(name, start, end) in microseconds of the profiled steps' device records (kernels, copies, memsets)."""
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def device_idle(records: list[tuple[str, float, float]], steps: int) -> str:
+    """GPU idle time per step between the device records of the profiled steps."""
+    spans = sorted((start, end) for _, start, end in records)
     if len(spans) < 2:
         return "no device records"
     gaps, end = [], spans[0][1]
@@ -115,11 +120,10 @@ def profile_batch(llm, batch: int, args) -> float:
         torch.cuda.synchronize()
         profiled = (time.perf_counter() - start) / args.steps
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
-    print(device_idle(prof, args.steps))
-    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA]
+    records = device_records(prof)
+    print(device_idle(records, args.steps))
     print("| kernel | per step | adds to the critical path, us/step |\n| --- | ---: | ---: |")
-    for name, per_step, us in chain(spans, args.steps)[:args.rows]:
+    for name, per_step, us in chain(records, args.steps)[:args.rows]:
         print(f"| {name} | {per_step:.0f} | {us:.1f} |")
     print(f"profiled steps: {profiled * 1e3:.3f} ms/step of wall time")
     assert len(scheduler.running) == batch, f"{len(scheduler.running)} of {batch} sequences still running"
