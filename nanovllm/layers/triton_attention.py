@@ -219,11 +219,16 @@ def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
     return torch.float16
 
 
+def _dim_pad(head_dim: int) -> int:
+    """The kernels' head_dim, padded to a power of two that `tl.dot` takes."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 @functools.cache
 def _common_args(group, kv_heads, head_dim, scale, k_scale, v_scale, compute_dtype) -> dict:
     """The kernel arguments that both paths share, built once per shape and dtype (a few microseconds each time,
     in every layer's attention) and shared by every call: read, never written."""
-    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    dim_pad = _dim_pad(head_dim)
     return dict(qk_scale=scale * k_scale * LOG2E, v_scale=v_scale, NUM_KV_HEADS=kv_heads, GROUP=group,
                 GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
                 COMPUTE_DTYPE=getattr(tl, str(compute_dtype).removeprefix("torch.")),  # tl.float16, ...
@@ -279,7 +284,7 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor):
     """out [tokens, heads, head_dim] = the splits' outputs (partial [tokens, heads, splits, head_dim] float32, each
     normalised over its keys) weighted by exp2(lse [tokens, heads, splits]), over the sum of the weights."""
     tokens, heads, splits, head_dim = partial.shape
-    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    dim_pad = _dim_pad(head_dim)
     per_thread = splits <= PER_THREAD_SPLITS
     _merge_splits_kernel[(tokens, heads)](
         partial, lse, out, splits, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
