@@ -138,6 +138,26 @@ def test_merge_weighs_splits_by_their_lse_without_overflow(per_thread, monkeypat
     assert launches == [5 if per_thread else 0]
 
 
+@pytest.mark.parametrize("per_thread", [True, False])
+def test_merge_reads_only_the_splits_that_the_context_fills(per_thread, monkeypatch):
+    """The decode kernel's splits past a sequence's keys write nothing (they end before the dependent-launch
+    wait): the merge of its output counts the filled splits as the kernel does and never reads the others (NaN
+    here), each way of merging."""
+    monkeypatch.setattr(triton_attention, "PER_THREAD_SPLITS", 32 if per_thread else 0)
+    contexts = torch.tensor([1, 40, 128, 300, 0], dtype=torch.int32)  # 16-token tiles, 8 splits: 1, 3, 8, 7, 1 filled
+    filled = [1, 3, 8, 7, 1]
+    gen = torch.Generator().manual_seed(6)
+    partial, lse = torch.randn(5, 2, 8, 64, generator=gen), torch.randn(5, 2, 8, generator=gen) * 4
+    for row, n in enumerate(filled):
+        partial[row, :, n:], lse[row, :, n:] = float("nan"), float("nan")
+    lse[4] = float("-inf")  # a context of 0 (a graph's padding row): its first split is written, empty
+    weight = torch.exp2(lse.double().nan_to_num(nan=float("-inf")))
+    expected = (weight[..., None] * partial.double().nan_to_num()).sum(2) / weight.sum(-1).clamp(min=1e-300)[..., None]
+    out = torch.empty(5, 2, 64, device=DEVICE)
+    triton_attention.merge_splits(partial.to(DEVICE), lse.to(DEVICE), out, (contexts.to(DEVICE), 16, 16))
+    assert_close(out, expected, torch.float32)
+
+
 def test_decode_default_split_size():
     """The engine's own split choice and minimum split length (256 tokens) on contexts of up to 700 tokens."""
     contexts = [700, 1, 257]
@@ -432,14 +452,17 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
                      qk_scale="fp32", v_scale="fp32", min_split_tokens="i32")
     constexprs = dict(NUM_KV_HEADS=8, GROUP=2, GROUP_PAD=2, HEAD_DIM=128, DIM_PAD=128, DECODE=decode, PAGED=paged,
                       SPLIT=split, TILE_MAP=tile_map, COMPUTE_DTYPE=tl.float16 if cache == "fp8e4nv" else tl.bfloat16,
-                      DOT_PRECISION="tf32", PDL=decode or tile_map, ORDER=decode)  # as launched on an H200
+                      DOT_PRECISION="tf32", PDL=decode or tile_map, ORDER=decode, PREFETCH=0, LINES=1,
+                      LINE_ELEMENTS=1)  # as launched on an H200
     if split:
         signature["num_splits"] = "i32"
     else:
         constexprs["num_splits"] = 1  # Triton makes an int argument of 1 a constexpr
     if decode:
         tile, warps, stages = triton_attention.decode_tile(128, 1 if cache == "fp8e4nv" else 2)
-        constexprs.update(QUERY_TILE=1, ROWS=16, KV_TILE=tile, BLOCK_SIZE=256)
+        line = 128 if cache == "fp8e4nv" else 64
+        constexprs.update(QUERY_TILE=1, ROWS=16, KV_TILE=tile, BLOCK_SIZE=256, LINES=128 // line, LINE_ELEMENTS=line,
+                          PREFETCH=triton_attention.KV_PREFETCH_TILES if split else 0)
     else:  # 64 rows of 32 tokens x 2 heads; a warm-up run (not paged) reads its own keys with a block size of 16
         warps, stages = 4, 2
         constexprs.update(QUERY_TILE=32, ROWS=64, KV_TILE=64, BLOCK_SIZE=256 if paged else 16)
@@ -457,12 +480,12 @@ def test_kernels_compile_for_sm90():
              attention_case("fp8e4nv", decode=False), attention_case("bf16", decode=False, paged=False),
              attention_case("bf16", decode=False, tile_map=True)]
     splits = triton_attention.decode_splits(1, 8, 132)
-    cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel",
-                  dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32"),
-                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=splits, SPLITS=0, PDL=True)))
-    cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel",  # batch 8's, one dim a thread
-                  dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", num_splits="i32"),
-                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=16, SPLITS=8, PDL=True),
+    merge = dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", context_lens_ptr="*i32", num_splits="i32",
+                 min_split_tokens="i32")
+    cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel", merge,
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=splits, SPLITS=0, KV_TILE=64, PDL=True)))
+    cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel", merge,  # batch 8's, one dim a thread
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=16, SPLITS=8, KV_TILE=64, PDL=True),
                   dict(num_warps=4)))
     for cache in ("bf16", "fp8e4nv"):  # k and v are slices of the qkv projection's [tokens, (16 + 2 * 8) * 128]
         cases.append(("nanovllm.layers.triton_kvstore", "_store_kvcache_kernel", dict(

@@ -16,7 +16,9 @@ Decode splits the keys when `batch x num_kv_heads` programs would leave streamin
 split count comes from the batch size alone (fixed for a captured CUDA graph), each split's chunk from the
 sequence's context length on the device (`max(min_split_tokens, ceil(context / splits))`, whole tiles), so a
 short context uses fewer splits and a longer one after capture still reads every key. Splits write their
-normalised output and log-sum-exp in float32; a second kernel merges them. No host value changes per step.
+normalised output and log-sum-exp in float32; a second kernel merges them. A split past the context ends before
+its dependent-launch wait and writes nothing (the merge counts the filled splits from the context too); the
+others ask L2 for their first keys before it (`KV_PREFETCH_TILES`). No host value changes per step.
 
 The varlen path is the same kernel with tiles of queries and no split; before the cache exists (a warm-up
 run) it reads this step's own keys and values instead of the cache. A mixed step that leads with many decodes
@@ -46,12 +48,29 @@ MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than
 # decode step it took 1.3-1.9 us a layer at 2-8 splits where a tile across the threads took 6.6-7.1; at 64 splits
 # it took 3.6 against 3.3
 PER_THREAD_SPLITS = 32
+# split decode: tiles of keys (and values) a program asks L2 for before its dependent-launch wait, while the
+# previous kernel ends (CUDA only). On an H200 at context ~1,000, 2 tiles took batch 1 from 0.950 to 0.900 ms a
+# step and 32 from 1.974 to 1.940; 8 tiles were slower than none at 8 and 32, and unsplit steps (batch 256: 8.507
+# -> 8.611 ms with 2) keep their bandwidth for the previous kernel. NANOVLLM_KV_PREFETCH overrides it
+KV_PREFETCH_TILES = int(os.environ.get("NANOVLLM_KV_PREFETCH", 2))
 QUERY_ROWS = 64  # varlen: query rows (tokens x heads of one KV head) per program
 # a mixed step with at least this many leading decodes attends them with the decode kernel (0: never);
 # NANOVLLM_SPLIT_DECODES overrides it, for comparison
 SPLIT_DECODES = int(os.environ.get("NANOVLLM_SPLIT_DECODES", 32))
 
 if triton is not None:
+    @triton.jit
+    def _split_chunk(key_len, num_splits, min_split_tokens, KV_TILE: tl.constexpr):
+        """Keys per split of a sequence's key_len keys: whole tiles, at least min_split_tokens (splits past the
+        keys are empty)."""
+        return tl.cdiv(tl.maximum(tl.cdiv(key_len, num_splits), min_split_tokens), KV_TILE) * KV_TILE
+
+    @triton.jit
+    def _prefetch_l2(pointers):
+        """Asks L2 for the 128-byte lines at these addresses (nothing comes back: no registers held)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pointers], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
     # Nothing that changes from step to step picks a variant (which would compile mid-serving): not the block
     # table's width, nor the alignment of the metadata, which a mixed step's decodes are sliced off
     # (`split_decodes`; its loads of them are scalar), and which stands in for the unused map and order
@@ -67,7 +86,7 @@ if triton is not None:
         ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, KV_TILE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
         TILE_MAP: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-        ORDER: tl.constexpr,
+        ORDER: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
     ):
         # (`triton_skinny`): the step's metadata is the host's, which no kernel writes: read it while the previous
         # kernel ends; q and this step's keys are the previous kernels', read after the wait
@@ -92,6 +111,23 @@ if triton is not None:
             context_len = tl.load(context_lens_ptr + row_seq)
         else:  # the keys are this step's own tokens
             context_len = query_len
+        # keys up to this tile's last query, cut into num_splits chunks of whole tiles
+        key_end = tl.minimum(context_len, context_len - query_len + (q_tile + 1) * QUERY_TILE)
+        chunk = _split_chunk(key_end, num_splits, min_split_tokens, KV_TILE)
+        key_begin = split * chunk
+        key_end = tl.minimum(key_end, key_begin + chunk)
+        if SPLIT:
+            if (split > 0) & (key_begin >= key_end):
+                return  # an empty split writes nothing (the merge counts the splits alike), so it need not wait
+        if PREFETCH:  # the chunk's first keys and values into L2 while the previous kernel ends (`_prefetch_l2`)
+            for start in tl.static_range(0, PREFETCH * KV_TILE, KV_TILE):
+                key_pos = key_begin + start + tl.arange(0, KV_TILE)
+                block = tl.load(block_tables_ptr + seq * block_table_stride + key_pos // BLOCK_SIZE,
+                                mask=key_pos < key_end, other=0).to(tl.int64)
+                lines = (block * BLOCK_SIZE + key_pos % BLOCK_SIZE)[:, None] * kv_token_stride + \
+                    kv_head * kv_head_stride + tl.arange(0, LINES)[None, :] * LINE_ELEMENTS
+                _prefetch_l2(k_ptr + lines)
+                _prefetch_l2(v_ptr + lines)
         if PDL:
             tl.extra.cuda.gdc_wait()
         if (seq < 0) | (q_tile * QUERY_TILE >= query_len):
@@ -108,12 +144,6 @@ if triton is not None:
         q_row = (q_begin + token).to(tl.int64) * q_token_stride + head * q_head_stride
         q = tl.load(q_ptr + q_row[:, None] + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :],
                     other=0.0).to(COMPUTE_DTYPE)
-
-        # keys up to this tile's last query, cut into num_splits chunks of whole tiles
-        key_end = tl.minimum(context_len, context_len - query_len + (q_tile + 1) * QUERY_TILE)
-        chunk = tl.cdiv(tl.maximum(tl.cdiv(key_end, num_splits), min_split_tokens), KV_TILE) * KV_TILE
-        key_begin = split * chunk
-        key_end = tl.minimum(key_end, key_begin + chunk)
 
         m = tl.full([ROWS], -1e30, tl.float32)  # finite: a row that sees no key keeps alpha = 1, p = 0
         l = tl.zeros([ROWS], tl.float32)
@@ -154,33 +184,44 @@ if triton is not None:
                      mask=out_mask)
 
     @triton.jit
-    def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
-                             DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, num_splits, min_split_tokens,
+                             HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                             SPLITS: tl.constexpr, KV_TILE: tl.constexpr, PDL: tl.constexpr):
         """One (token, head) a program. SPLITS (num_splits, up to PER_THREAD_SPLITS; else 0): one dim a thread,
         each thread reads every split's lse (one address across the warp) and its dim of every split's output, all
         at once (the splits unrolled), and weighs them itself, so no value crosses threads. Else a tile of the
-        splits across the threads, reduced across them (fewer instructions a thread)."""
-        dependent_start(PDL)
+        splits across the threads, reduced across them (fewer instructions a thread). KV_TILE (the decode
+        kernel's): only the splits that the token's context fills were written (`_split_chunk`); else all."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # token * num_heads + head
+        if KV_TILE:  # the context is the host's: loaded before the wait, used after it (not to hold the wait up)
+            context_len = tl.load(context_lens_ptr + tl.program_id(0))
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        used = num_splits
+        if KV_TILE:
+            used = tl.maximum(tl.cdiv(context_len, _split_chunk(context_len, num_splits, min_split_tokens, KV_TILE)),
+                              1)
         dims = tl.arange(0, DIM_PAD)
-        if SPLITS:
-            top = tl.load(lse_ptr + row * SPLITS)
+        if SPLITS:  # every split's loads at once, none of them waiting for `used`: it only picks what is summed
+            top = tl.load(lse_ptr + row * SPLITS)  # (split 0 is always written)
             for s in tl.static_range(1, SPLITS):
-                top = tl.maximum(top, tl.load(lse_ptr + row * SPLITS + s))
+                top = tl.maximum(top, tl.where(s < used, tl.load(lse_ptr + row * SPLITS + s), float("-inf")))
             top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: each weighs 0 below
             total = 0.0
             out = tl.zeros([DIM_PAD], tl.float32)
-            for s in tl.static_range(SPLITS):
-                weight = tl.exp2(tl.load(lse_ptr + row * SPLITS + s) - top)  # an empty split (-inf) weighs 0
-                out += weight * tl.load(partial_ptr + (row * SPLITS + s) * HEAD_DIM + dims, mask=dims < HEAD_DIM,
-                                        other=0.0)
+            for s in tl.static_range(SPLITS):  # an empty split (lse -inf) weighs 0, an unwritten one is left out
+                weight = tl.exp2(tl.where(s < used, tl.load(lse_ptr + row * SPLITS + s), float("-inf")) - top)
+                partial = tl.load(partial_ptr + (row * SPLITS + s) * HEAD_DIM + dims, mask=dims < HEAD_DIM, other=0.0)
+                out += tl.where(s < used, weight * partial, 0.0)
                 total += weight
         else:
             splits = tl.arange(0, SPLITS_PAD)
-            lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
+            lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < used, other=float("-inf"))
             top = tl.max(lse, 0)
             weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # an empty split weighs 0
-            mask = (splits < num_splits)[:, None] & (dims < HEAD_DIM)[None, :]
+            mask = (splits < used)[:, None] & (dims < HEAD_DIM)[None, :]
             partial = tl.load(partial_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
                               mask=mask, other=0.0)
             total = tl.sum(weight, 0)
@@ -268,27 +309,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if split else out
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device) if split else out
     pdl = pdl_args(q.device)
+    line = 128 // k_cache.element_size()  # elements of a 128-byte line
+    prefetch = KV_PREFETCH_TILES if pdl["PDL"] and split else 0  # (the interpreter runs no PTX)
     _attention_kernel[(num_splits, kv_heads, batch)](
         q, k_cache, v_cache, partial, lse, block_tables, context_lens, context_lens, context_lens,
         order if order is not None else context_lens,
         q.stride(0), q.stride(1), kv_heads * head_dim, head_dim, block_tables.stride(0),
         num_splits=num_splits, min_split_tokens=min_split_tokens, QUERY_TILE=1, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, TILE_MAP=False, ORDER=order is not None,
+        PREFETCH=prefetch, LINES=max(1, args["DIM_PAD"] // line), LINE_ELEMENTS=line,
         num_warps=warps, num_stages=stages, **args, **pdl)
     if split:
-        merge_splits(partial, lse, out)
+        merge_splits(partial, lse, out, (context_lens, min_split_tokens, tile))
     return out
 
 
-def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor):
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
+                 written: tuple[torch.Tensor, int, int] | None = None):
     """out [tokens, heads, head_dim] = the splits' outputs (partial [tokens, heads, splits, head_dim] float32, each
-    normalised over its keys) weighted by exp2(lse [tokens, heads, splits]), over the sum of the weights."""
+    normalised over its keys) weighted by exp2(lse [tokens, heads, splits]), over the sum of the weights.
+    `written`: (context_lens, min_split_tokens, kv_tile) of the decode kernel that wrote them, which leaves the
+    splits past each token's context unwritten; None: every split was written."""
     tokens, heads, splits, head_dim = partial.shape
     dim_pad = _dim_pad(head_dim)
     per_thread = splits <= PER_THREAD_SPLITS
+    context_lens, min_split_tokens, kv_tile = written or (lse, 0, 0)
     _merge_splits_kernel[(tokens, heads)](
-        partial, lse, out, splits, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        SPLITS_PAD=max(16, triton.next_power_of_2(splits)), SPLITS=splits if per_thread else 0,
+        partial, lse, out, context_lens, splits, min_split_tokens, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        SPLITS_PAD=max(16, triton.next_power_of_2(splits)), SPLITS=splits if per_thread else 0, KV_TILE=kv_tile,
         num_warps=max(1, min(8, dim_pad // 32)) if per_thread else 4, **pdl_args(partial.device))
 
 
@@ -331,7 +379,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         meta.cu_seqlens_q if tile_map is None else tile_map, meta.cu_seqlens_q,  # (the order: unused)
         q.stride(0), q.stride(1), token_stride, head_stride, meta.block_tables.stride(0),
         num_splits=1, min_split_tokens=0, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile, BLOCK_SIZE=block_size,
-        DECODE=False, PAGED=paged, SPLIT=False, TILE_MAP=tile_map is not None, ORDER=False, num_warps=4,
+        DECODE=False, PAGED=paged, SPLIT=False, TILE_MAP=tile_map is not None, ORDER=False, PREFETCH=0, LINES=1,
+        LINE_ELEMENTS=1, num_warps=4,
         num_stages=2, **args, **pdl_args(q.device))
     return out
 
