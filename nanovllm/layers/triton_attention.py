@@ -35,7 +35,7 @@ from nanovllm.layers import triton_kvstore
 from nanovllm.layers.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata
 
 from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton, triton_available
-from nanovllm.layers.triton_guard import dependent_start, num_sms as _num_sms, pdl_args
+from nanovllm.layers.triton_guard import num_sms as _num_sms, pdl_args
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -380,8 +380,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         q.stride(0), q.stride(1), token_stride, head_stride, meta.block_tables.stride(0),
         num_splits=1, min_split_tokens=0, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile, BLOCK_SIZE=block_size,
         DECODE=False, PAGED=paged, SPLIT=False, TILE_MAP=tile_map is not None, ORDER=False, PREFETCH=0, LINES=1,
-        LINE_ELEMENTS=1, num_warps=4,
-        num_stages=2, **args, **pdl_args(q.device))
+        LINE_ELEMENTS=1, num_warps=4, num_stages=2, **args, **pdl_args(q.device))
     return out
 
 
