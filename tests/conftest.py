@@ -196,30 +196,37 @@ def in_processes(target, *args, copies: int = 2) -> list:
 
 
 _SM90_COMPILE = """
-import importlib, pickle, sys, triton
+import importlib, os, pickle, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-failed = False
-for module, kernel, signature, constexprs, *options in pickle.load(sys.stdin.buffer):
+replies = os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)  # whatever the compiler prints goes to stderr, not into the replies
+while True:  # a list of cases in, the errors of those that fail out, until stdin closes
     try:
-        fn = getattr(importlib.import_module(module), kernel)
-        if unmatched := set(fn.arg_names).symmetric_difference([*signature, *constexprs]):
-            raise TypeError(f"arguments of the kernel or the case, not of both: {sorted(unmatched)}")
-        source = ASTSource(fn, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs)
-        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(*options))
-    except Exception as e:
-        failed = True
-        print(f"{kernel} {constexprs} does not compile for sm90:", *str(e).splitlines()[-8:], "", sep="\\n",
-              file=sys.stderr)
-sys.exit(failed)
+        cases = pickle.load(sys.stdin.buffer)
+    except EOFError:
+        break
+    errors = []
+    for module, kernel, signature, constexprs, *options in cases:
+        try:
+            fn = getattr(importlib.import_module(module), kernel)
+            if unmatched := set(fn.arg_names).symmetric_difference([*signature, *constexprs]):
+                raise TypeError(f"arguments of the kernel or the case, not of both: {sorted(unmatched)}")
+            source = ASTSource(fn, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs)
+            triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(*options))
+        except Exception as e:
+            errors.append("\\n".join([f"{kernel} {constexprs} does not compile for sm90:", *str(e).splitlines()[-8:]]))
+    pickle.dump(errors, replies)
+    replies.flush()
 """
+_sm90_compiler = None  # the subprocess that compiles, started by the first call and kept for the session
 
 
 def compile_for_sm90(cases: list[tuple]):
-    """Compile Triton kernels for an H100/H200 (sm90) down to their cubins, with no GPU, all in one subprocess
-    (its start, mostly importing torch and Triton, costs more than a compile): Triton's interpreter, which runs
-    the kernels in the CPU tests, never type-checks them as the compiler does (a variable redefined with another
-    shape inside an `if` runs there and fails to compile on a GPU).
+    """Compile Triton kernels for an H100/H200 (sm90) down to their cubins, with no GPU, in one subprocess for
+    the whole session (its start, mostly importing torch, nano-vllm and Triton, costs more than a compile):
+    Triton's interpreter, which runs the kernels in the CPU tests, never type-checks them as the compiler does (a
+    variable redefined with another shape inside an `if` runs there and fails to compile on a GPU).
 
     A case is (module, kernel, signature, constexprs), optionally followed by the launch options its wrapper
     passes (num_warps, num_stages). The signature types each runtime argument as Triton specializes it at a
@@ -227,11 +234,26 @@ def compile_for_sm90(cases: list[tuple]):
     float; an int argument equal to 1 is specialized to a constexpr, so it goes in constexprs (whose values may be
     Triton dtypes: the cases go to the subprocess pickled). Fails with the compiler's error of every case that
     does not compile."""
+    import atexit
     import pickle
+    import select
     import subprocess
     import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE], input=pickle.dumps(cases), env=env,
-                          cwd=ROOT, capture_output=True, timeout=300)
-    if done.returncode:
-        pytest.fail(done.stderr.decode(errors="replace"), pytrace=False)
+    global _sm90_compiler
+    if _sm90_compiler is None or _sm90_compiler.poll() is not None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        _sm90_compiler = subprocess.Popen([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE], env=env, cwd=ROOT,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        atexit.register(_sm90_compiler.kill)
+    compiler = _sm90_compiler
+    compiler.stdin.write(pickle.dumps(cases))
+    compiler.stdin.flush()
+    if not select.select([compiler.stdout], [], [], 300)[0]:
+        compiler.kill()
+        pytest.fail("the sm90 compiles took over 300 s", pytrace=False)
+    try:
+        errors = pickle.load(compiler.stdout)
+    except EOFError:
+        pytest.fail(f"the compiling subprocess exited with code {compiler.wait()} (its error is above)", pytrace=False)
+    if errors:
+        pytest.fail("\n\n".join(errors), pytrace=False)
