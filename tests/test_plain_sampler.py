@@ -107,12 +107,12 @@ def test_kernel_draws_follow_softmax(small_tiles):
 
 @needs_triton
 def test_kernel_groups_of_tiles_draw_fresh_bits(small_tiles):
-    vocab, rows = 8 * triton_sampler.BLOCK, 200  # two groups of four tiles, one Philox call each
+    vocab, rows = 8 * triton_sampler.BLOCK, 100  # two groups of four tiles, one Philox call each
     draws = triton_sampler.sample_plain(torch.zeros(rows, vocab, device=DEVICE), torch.ones(rows, device=DEVICE),
                                         triton_sampler.make_rng_state(11, DEVICE))
     halves = torch.bincount(draws, minlength=vocab).view(2, -1).sum(1)
-    # uniform logits: each group wins ~100 times (sd 7); bits reused across groups tie them, and the first wins
-    assert halves.min().item() > 70, halves.tolist()
+    # uniform logits: each group wins ~50 times (sd 5); bits reused across groups tie them, and the first wins
+    assert halves.min().item() > 35, halves.tolist()
 
 
 @needs_triton
