@@ -29,23 +29,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="module")
+_ray_stop = []  # how to stop the session's Ray cluster, while it runs
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray cluster of 2 CPUs for one test module."""
+    """A local Ray cluster of 2 CPUs, one for the session (starting one takes seconds), stopped after the last test
+    that uses it (pytest_runtest_teardown): an idle cluster's processes take CPU from the tests after it."""
     import ray
     # Ray's workers are new processes: they must import this checkout, wherever nano-vllm is installed
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved]))
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, logging_level=logging.WARNING)  # the same anywhere
-    try:
-        ray.data.DataContext.get_current().enable_progress_bars = False
-        yield
-    finally:
+
+    def stop():
         ray.shutdown()
         if saved is None:
             os.environ.pop("PYTHONPATH")
         else:
             os.environ["PYTHONPATH"] = saved
+
+    _ray_stop.append(stop)
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, logging_level=logging.WARNING)  # the same anywhere
+    try:
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        yield
+    finally:
+        while _ray_stop:
+            _ray_stop.pop()()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _ray_stop and "ray_cluster" in item.fixturenames:
+        later = item.session.items[item.session.items.index(item) + 1:]
+        if not any("ray_cluster" in getattr(i, "fixturenames", ()) for i in later):
+            _ray_stop.pop()()
 
 
 @pytest.fixture(scope="session")
