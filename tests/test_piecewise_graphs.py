@@ -84,10 +84,10 @@ def test_steps_through_the_pieces_equal_the_eager_forward(tiny_model, hf_model, 
             return run(input_ids, positions, meta)
 
         piecewise.run = counting_run
-        # its chunks fill the token budget; with the fused store (Triton's interpreter runs it in every step, 1 s a
-        # step) fewer prompts and tokens, still with mixed steps, padding and prefix hits
-        batch = prompts(6 if fused else 12, seed=max_tokens) + [list(range(3, 250))]
-        params = SamplingParams(temperature=0, max_tokens=5 if fused else 10, ignore_eos=True)
+        # its chunks fill the token budget; with the fused store (Triton's interpreter runs it for every token of
+        # every step) fewer prompts and tokens, still with full and mixed steps, padding and prefix hits
+        batch = prompts(4 if fused else 12, seed=max_tokens) + [list(range(3, 130 if fused else 250))]
+        params = SamplingParams(temperature=0, max_tokens=4 if fused else 10, ignore_eos=True)
         got = generate(llm, batch, params, piecewise)  # first: an empty cache, so whole prompts
         again = generate(llm, batch, params, piecewise)  # prefix-cache hits leave short prefills
         fuse_rope_store(llm, False)
