@@ -35,10 +35,20 @@ def whole_lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
+PROMPTS = [f"request number {i} about the sea" for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def expected_texts(llm) -> list[str]:
+    """PROMPTS' greedy texts, which every kill below must end with: computed once for the three."""
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    return [o["text"] for o in outputs]
+
+
 @pytest.mark.parametrize("sig, status", [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGINT, 130),
                                          (signal.SIGTERM, 143)])
-def test_killed_part_way_then_run_again(llm, tiny_model, tmp_path, sig, status):
-    prompts = [f"request number {i} about the sea" for i in range(24)]
+def test_killed_part_way_then_run_again(llm, tiny_model, expected_texts, tmp_path, sig, status):
+    prompts = PROMPTS
     lines = [request(f"r{i}", prompt=p, max_tokens=40, temperature=0, ignore_eos=True) for i, p in enumerate(prompts)]
     lines.insert(7, "not json")  # a bad line is written once too
     inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
@@ -67,8 +77,7 @@ def test_killed_part_way_then_run_again(llm, tiny_model, tmp_path, sig, status):
     results = read_results(out)  # no torn line, nothing twice
     assert sorted(results) == sorted([f"r{i}" for i in range(24)] + ["batch_req_line8"])
     assert results["batch_req_line8"]["error"]["code"] == "invalid_json"
-    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
-    assert [choices(results[f"r{i}"])[0]["text"] for i in range(24)] == [o["text"] for o in expected]
+    assert [choices(results[f"r{i}"])[0]["text"] for i in range(24)] == expected_texts
     assert out.read_bytes().startswith(data[:data.rfind(b"\n") + 1])  # what the first run wrote is kept as it was
 
 
