@@ -27,35 +27,41 @@ def generate_twice(llm: LLM) -> list[dict]:
     return llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # the second call hits the prefix cache
 
 
-def test_tp2_equals_tp1_and_hf(tiny_model, hf_model):
-    with LLM(tiny_model, kvcache_block_size=16) as llm:
-        expected = generate_twice(llm)
-    with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2, max_num_batched_tokens=64) as llm:
-        assert len(llm.processes) == 1 and shm_segments()
-        got = generate_twice(llm)
-    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in expected]
-    assert [o["num_cached_tokens"] for o in got] == [0, 48, 128, 48]
-    for prompt, out in zip(PROMPTS, got):
-        assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
+@pytest.fixture(scope="class")
+def engines(tiny_model):
+    """A TP=1 and a TP=2 engine for the tests of one class: a TP engine's start (its worker imports everything) is
+    most of their time. Class-scoped, so both are closed before the module's other tests start TP engines of their
+    own (a process runs one at a time)."""
+    with LLM(tiny_model, kvcache_block_size=16) as tp1, \
+            LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2, max_num_batched_tokens=64) as tp2:
+        assert len(tp2.processes) == 1 and shm_segments()
+        yield tp1, tp2
     assert shm_segments() == []
 
 
-def test_tp2_sampling_controls_equal_tp1(tiny_model):
-    # only rank 0 samples: the workers' copies of a sequence carry no sampling parameters
-    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=5, logprobs=2, max_tokens=12,
-                             ignore_eos=True),
-              SamplingParams(temperature=0, repetition_penalty=1.4, frequency_penalty=0.5, min_tokens=3,
-                             max_tokens=12, stop_token_ids=[9])] * 2
-    outputs = []
-    for tp in (1, 2):
-        with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=tp) as llm:
-            outputs.append(llm.generate(PROMPTS, params, use_tqdm=False))
-    tp1, tp2 = outputs
-    assert [o["token_ids"] for o in tp2] == [o["token_ids"] for o in tp1]
-    for a, b in zip(tp1, tp2):
-        assert (a["logprobs"] is None) == (b["logprobs"] is None)
-        for x, y in zip(a["logprobs"] or [], b["logprobs"] or []):
-            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+class TestOneEngineOfEach:
+    """TP=2 against TP=1, on the same two engines."""
+
+    def test_tp2_equals_tp1_and_hf(self, engines, hf_model):
+        tp1, tp2 = engines
+        expected, got = generate_twice(tp1), generate_twice(tp2)
+        assert [o["token_ids"] for o in got] == [o["token_ids"] for o in expected]
+        assert [o["num_cached_tokens"] for o in got] == [0, 48, 128, 48]
+        for prompt, out in zip(PROMPTS, got):
+            assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
+
+    def test_tp2_sampling_controls_equal_tp1(self, engines):
+        # only rank 0 samples: the workers' copies of a sequence carry no sampling parameters
+        params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=5, logprobs=2, max_tokens=12,
+                                 ignore_eos=True),
+                  SamplingParams(temperature=0, repetition_penalty=1.4, frequency_penalty=0.5, min_tokens=3,
+                                 max_tokens=12, stop_token_ids=[9])] * 2
+        tp1, tp2 = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in engines)
+        assert [o["token_ids"] for o in tp2] == [o["token_ids"] for o in tp1]
+        for a, b in zip(tp1, tp2):
+            assert (a["logprobs"] is None) == (b["logprobs"] is None)
+            for x, y in zip(a["logprobs"] or [], b["logprobs"] or []):
+                assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
 
 
 def test_vocabulary_that_does_not_divide_is_padded(tmp_path):
