@@ -132,7 +132,7 @@ def test_a_killed_replica_batch_is_retried(ray_cluster, llm, tiny_model):
 def test_a_cluster_without_the_resources_fails_instead_of_waiting(ray_cluster, tiny_model, tmp_path, capsys):
     inp = write_lines(tmp_path / "in.jsonl", [request("a", prompt="x", max_tokens=2)])
     argv = ["-i", inp, "-o", str(tmp_path / "out"), "--model", tiny_model, "--no-progress", "--device", "cuda",
-            "--data-parallel-size", "2", "--ray-start-timeout", "3"]
+            "--data-parallel-size", "2", "--ray-start-timeout", "1"]
     assert within(120, main, argv) == 3  # this cluster has no GPU (num_gpus=0)
     assert "Timed out while starting actors" in capsys.readouterr().err
 
