@@ -48,8 +48,7 @@ def expected_texts(llm) -> list[str]:
 @pytest.mark.parametrize("sig, status", [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGINT, 130),
                                          (signal.SIGTERM, 143)])
 def test_killed_part_way_then_run_again(llm, tiny_model, expected_texts, tmp_path, sig, status):
-    prompts = PROMPTS
-    lines = [request(f"r{i}", prompt=p, max_tokens=40, temperature=0, ignore_eos=True) for i, p in enumerate(prompts)]
+    lines = [request(f"r{i}", prompt=p, max_tokens=40, temperature=0, ignore_eos=True) for i, p in enumerate(PROMPTS)]
     lines.insert(7, "not json")  # a bad line is written once too
     inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     proc = run_batch_process(["-i", inp, "-o", str(out), "--model", tiny_model, "--no-progress", *ENGINE_FLAGS],

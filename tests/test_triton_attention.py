@@ -113,6 +113,13 @@ def test_decode_matches_reference(case, dtype, monkeypatch):
     assert_close(out, expected, dtype)
 
 
+def merged(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The splits' outputs [tokens, heads, splits, head_dim] weighted by exp2 of their lse, in float64 (a row
+    whose splits are all empty, -inf: 0)."""
+    weight = torch.exp2(lse.double() - lse.double().amax(-1, keepdim=True).clamp(min=0))
+    return (weight[..., None] * partial.double()).sum(2) / weight.sum(-1).clamp(min=1e-300)[..., None]
+
+
 @pytest.mark.parametrize("per_thread", [True, False])
 def test_merge_weighs_splits_by_their_lse_without_overflow(per_thread, monkeypatch):
     """Splits whose log-sum-exps lie hundreds apart (exp2 of their differences overflows float32), empty ones
@@ -129,9 +136,7 @@ def test_merge_weighs_splits_by_their_lse_without_overflow(per_thread, monkeypat
     lse = torch.tensor([[0.0, 300.0, -200.0, float("-inf"), -100.0], [5.0, float("-inf"), 4.0, 3.0, -400.0]])
     lse = torch.stack([lse, lse.flip(-1), torch.randn(2, 5, generator=gen)])
     lse[2, 0] = float("-inf")
-    top = lse.double().amax(-1, keepdim=True)
-    weight = torch.exp2(lse.double() - top.clamp(min=0))  # (an all-empty row: every weight 0)
-    expected = (weight[..., None] * partial.double()).sum(2) / weight.sum(-1).clamp(min=1e-300)[..., None]
+    expected = merged(partial, lse)
     out = torch.empty(3, 2, 64, device=DEVICE)
     triton_attention.merge_splits(partial.to(DEVICE), lse.to(DEVICE), out)
     assert_close(out, expected, torch.float32)
@@ -151,8 +156,7 @@ def test_merge_reads_only_the_splits_that_the_context_fills(per_thread, monkeypa
     for row, n in enumerate(filled):
         partial[row, :, n:], lse[row, :, n:] = float("nan"), float("nan")
     lse[4] = float("-inf")  # a context of 0 (a graph's padding row): its first split is written, empty
-    weight = torch.exp2(lse.double().nan_to_num(nan=float("-inf")))
-    expected = (weight[..., None] * partial.double().nan_to_num()).sum(2) / weight.sum(-1).clamp(min=1e-300)[..., None]
+    expected = merged(partial.nan_to_num(), lse.nan_to_num(nan=float("-inf")))  # the unwritten splits left out
     out = torch.empty(5, 2, 64, device=DEVICE)
     triton_attention.merge_splits(partial.to(DEVICE), lse.to(DEVICE), out, (contexts.to(DEVICE), 16, 16))
     assert_close(out, expected, torch.float32)
