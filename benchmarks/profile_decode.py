@@ -123,8 +123,8 @@ def profile_batch(llm, batch: int, args) -> float:
     records = device_records(prof)
     print(device_idle(records, args.steps))
     print("| kernel | per step | adds to the critical path, us/step |\n| --- | ---: | ---: |")
-    for name, per_step, us in chain(records, args.steps)[:args.rows]:
-        print(f"| {name} | {per_step:.0f} | {us:.1f} |")
+    for name, count, us in chain(records, args.steps)[:args.rows]:  # (not per_step: that is returned below)
+        print(f"| {name} | {count:.0f} | {us:.1f} |")
     print(f"profiled steps: {profiled * 1e3:.3f} ms/step of wall time")
     assert len(scheduler.running) == batch, f"{len(scheduler.running)} of {batch} sequences still running"
     if args.trace:
