@@ -163,13 +163,34 @@ def test_merge_reads_only_the_splits_that_the_context_fills(per_thread, monkeypa
 
 
 def test_decode_default_split_size():
-    """The engine's own split choice and minimum split length (256 tokens) on contexts of up to 700 tokens."""
+    """The engine's own split choice and minimum split length on contexts of up to 700 tokens."""
     contexts = [700, 1, 257]
     q, k, v, caches, meta = make_case([1] * 3, contexts, 4, 1, 64, 64, False, seed=3)
     expected = reference(q, k, v, caches, meta, False)
     q, k, v, caches = to_device(q, k, v, caches, torch.float32)
     out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125)
     assert_close(out, expected, torch.float32)
+
+
+def test_decode_splits_are_shorter_where_the_merge_takes_a_tile(monkeypatch):
+    """The default minimum split: MIN_SPLIT_TOKENS_TILE_MERGE where there are more splits than the merge takes one
+    dim a thread (batch 1: 64 splits), MIN_SPLIT_TOKENS where there are not (32 programs: 16 splits); the kernel
+    and its merge count the same filled splits, so the output is right either way."""
+    merges, merge_splits = [], triton_attention.merge_splits
+
+    def spy(partial, lse, out, written):
+        merges.append((partial.size(2), written[1]))
+        merge_splits(partial, lse, out, written)
+    monkeypatch.setattr(triton_attention, "merge_splits", spy)
+    for contexts, kv_heads in (([300], 1), ([300, 1, 70, 129, 64, 200, 2, 90], 4)):
+        q, k, v, caches, meta = make_case([1] * len(contexts), contexts, 2 * kv_heads, kv_heads, 64, 16, False,
+                                          seed=len(contexts))
+        expected = reference(q, k, v, caches, meta, False)
+        q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+        out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125)
+        assert_close(out, expected, torch.float32)
+    assert merges == [(64, triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE), (16, triton_attention.MIN_SPLIT_TOKENS)]
+    assert triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE < triton_attention.MIN_SPLIT_TOKENS  # (else nothing shown)
 
 
 @pytest.mark.parametrize("splits", [1, 3])

@@ -44,6 +44,11 @@ SPLIT_BELOW_PROGRAMS_PER_SM = 2  # split when batch x kv_heads < this many progr
 SPLIT_TARGET_PROGRAMS_PER_SM = 4  # and then make at most this many (more than two waves loses to the tail)
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
+# and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
+# batch 1-2 on an H200), which weighs 16 filled splits as fast as 8: at context ~1,000 batch 1 took 0.891-0.894 ->
+# 0.856 ms a step, batch 2 0.976-0.995 -> 0.907 (one dim a thread, more splits cost more: in session 28, 64 here
+# took batch 4 from 0.992 to 1.041). NANOVLLM_MIN_SPLIT_TILE overrides it
+MIN_SPLIT_TOKENS_TILE_MERGE = int(os.environ.get("NANOVLLM_MIN_SPLIT_TILE", 64))
 # the merge of at most this many splits keeps each dim in one thread (`_merge_splits_kernel`): on an H200 in a
 # decode step it took 1.3-1.9 us a layer at 2-8 splits where a tile across the threads took 6.6-7.1; at 64 splits
 # it took 3.6 against 3.3
@@ -278,7 +283,7 @@ def _common_args(group, kv_heads, head_dim, scale, k_scale, v_scale, compute_dty
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
-                     num_splits: int | None = None, min_split_tokens: int = MIN_SPLIT_TOKENS,
+                     num_splits: int | None = None, min_split_tokens: int | None = None,
                      kv_tile: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      compute_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                      order: torch.Tensor | None = None) -> torch.Tensor:
@@ -294,6 +299,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert q.stride(-1) == 1 and block_tables.stride(-1) == 1 and num_heads % kv_heads == 0
     if num_splits is None:
         num_splits = decode_splits(batch, kv_heads, _num_sms(q.device))
+    if min_split_tokens is None:
+        min_split_tokens = MIN_SPLIT_TOKENS if num_splits <= PER_THREAD_SPLITS else MIN_SPLIT_TOKENS_TILE_MERGE
     tile, warps, stages = decode_tile(head_dim, k_cache.element_size())
     tile, warps, stages = kv_tile or tile, num_warps or warps, num_stages or stages
     if out is None:
