@@ -69,10 +69,23 @@ def test_skinny_matches_the_unfused_layers(m, n, k, block_k, bias, norm, gated, 
 def test_plan_covers_every_k():
     """Whatever the shape, the plan's blocks tile K with power-of-two blocks that `tl.dot` takes (its choices
     are timings: benchmarks/skinny_gemm.py --sweep)."""
-    for block_m, k, gated in [(16, 1024, False), (32, 3072, False), (16, 1024, True), (32, 64, True), (16, 17, False)]:
+    for block_m, k, gated in [(16, 1024, False), (32, 3072, False), (16, 3072, False), (16, 1024, True), (32, 64, True),
+                              (16, 17, False)]:
         block_n, block_k, warps = triton_skinny.plan(block_m, k, gated)
         assert block_n >= 16 and block_k >= 16 and block_n & (block_n - 1) == 0 and block_k & (block_k - 1) == 0
         assert warps in (4, 8)
+
+
+@pytest.mark.parametrize("m", [1, 16, 17])
+def test_the_plans_tiles_match_the_unfused_layers(m):
+    """Qwen3-0.6B's down projection (1024 x 3072) with its residual on the plan's own tiles: up to 16 rows (the
+    tile timed in the engine's steps) and past them."""
+    gen = torch.Generator().manual_seed(m)
+    x, w, res = torch.randn(m, 3072, generator=gen), torch.randn(1024, 3072, generator=gen) * 0.02, \
+        torch.randn(m, 1024, generator=gen)
+    out = fused(x, w, residual=res)
+    assert rel_error(out, reference(x, w, residual=res)) < 1e-4
+    assert not triton_skinny._counters[out.device].any()
 
 
 @pytest.mark.parametrize("seed", range(6))
