@@ -19,3 +19,33 @@ def test_chain_charges_each_kernel_what_it_adds_to_the_critical_path():
     rows = {name: (per_step, us) for name, per_step, us in chain(spans, steps=2)}
     assert rows == {"qkv": (0.5, 5.0), "attn": (1.0, 4.0), "merge": (0.5, 0.0), "gemm": (0.5, 2.0)}
     assert [name for name, *_ in chain(spans, steps=2)] == ["qkv", "attn", "gemm", "merge"]
+
+
+def test_step_variants_reads_its_variants_and_names_each_projection():
+    """A variant's settings and tiles parse, a wrong one is an error naming it before any engine starts, and the
+    plan's calls are told apart as Qwen3-0.6B's (K 1024 for qkv and gate/up, 2048 for o_proj, 3072 for down)."""
+    import pytest
+    from step_variants import parse_variant, projection
+    assert parse_variant("") == {}
+    assert parse_variant("split=64  down=32,512,4") == {"split": 64, "down": (32, 512, 4)}
+    for bad in ("spilt=64", "down=32,512", "split=64,1", "qkv"):
+        with pytest.raises(ValueError, match=bad.split("=")[0]):
+            parse_variant(bad)
+    assert [projection(k, gated, head_dim, 3072) for k, gated, head_dim in
+            [(1024, False, 128), (2048, False, 0), (1024, True, 0), (3072, False, 0)]] == \
+        ["qkv", "o_proj", "gate_up", "down"]
+
+
+def test_step_variants_sets_what_the_engine_reads(monkeypatch):
+    """A variant reaches the decode kernel's split lengths and the skinny kernel's plan, which read them at call
+    time; the projections it does not name keep their tuned tiles."""
+    from nanovllm.layers import triton_attention, triton_skinny
+    from step_variants import apply
+    for name in ("MIN_SPLIT_TOKENS_TILE_MERGE", "MIN_SPLIT_TOKENS"):
+        monkeypatch.setattr(triton_attention, name, getattr(triton_attention, name))
+    monkeypatch.setattr(triton_skinny, "plan", triton_skinny.plan)
+    o_proj = triton_skinny.plan(16, 2048, False)
+    apply({"split": 32, "min_split": 96, "down": (16, 256, 4)}, intermediate_size=3072)
+    assert (triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE, triton_attention.MIN_SPLIT_TOKENS) == (32, 96)
+    assert triton_skinny.plan(16, 3072, False) == (16, 256, 4)
+    assert triton_skinny.plan(16, 2048, False) == o_proj

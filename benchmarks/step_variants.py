@@ -1,0 +1,111 @@
+"""Small decode steps with other tuned choices, each variant an engine in a process of its own (the choices are
+read when the CUDA graphs are captured, so one engine cannot time two): ms per step by batch, a row a variant.
+
+    python benchmarks/step_variants.py --batch 1 4 16 32 --variant "" --variant "down=32,512,4" --variant ""
+
+A variant is NAME=VALUE pairs, space-separated: `split` (the decode kernel's minimum split where the merge takes
+a tile, MIN_SPLIT_TOKENS_TILE_MERGE), `min_split` (MIN_SPLIT_TOKENS), and the skinny projections' tiles `qkv`,
+`o_proj`, `gate_up`, `down` as block_n,block_k,num_warps (qkv's block_n is half a head). "" is the code as it is:
+time it first and last to see the run-to-run noise. Steps are timed as `profile_decode.py` times them (context
+~1,000), on an engine of at most the largest batch's sequences (fewer graphs to capture than the default 512).
+Session 29 chose the down projection's tiles at up to 16 rows so (benchmarks/HISTORY.md).
+"""
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SETTINGS = ("split", "min_split")
+TILES = ("qkv", "o_proj", "gate_up", "down")
+
+
+def parse_variant(text: str) -> dict:
+    """"split=64 down=32,512,4" -> {"split": 64, "down": (32, 512, 4)}; a ValueError names what is wrong."""
+    variant = {}
+    for item in text.split():
+        name, _, value = item.partition("=")
+        if name not in SETTINGS + TILES:
+            raise ValueError(f"unknown setting {name!r} in {text!r}: one of {', '.join(SETTINGS + TILES)}")
+        numbers = tuple(int(v) for v in value.split(",")) if value else ()
+        if len(numbers) != (1 if name in SETTINGS else 3):
+            raise ValueError(f"{item!r}: {name} takes {'a number' if name in SETTINGS else 'block_n,block_k,warps'}")
+        variant[name] = numbers[0] if name in SETTINGS else numbers
+    return variant
+
+
+def projection(k: int, gated: bool, head_dim: int, intermediate_size: int) -> str:
+    """Which of a dense layer's projections a `triton_skinny.plan` call is for."""
+    if head_dim:
+        return "qkv"
+    if gated:
+        return "gate_up"
+    return "down" if k == intermediate_size else "o_proj"
+
+
+def apply(variant: dict, intermediate_size: int):
+    """Set the variant's choices in the modules that read them."""
+    from nanovllm.layers import triton_attention, triton_skinny
+    if "split" in variant:
+        triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE = variant["split"]
+    if "min_split" in variant:
+        triton_attention.MIN_SPLIT_TOKENS = variant["min_split"]
+    tuned = triton_skinny.plan
+
+    def plan(block_m, k, gated, head_dim=0):
+        return variant.get(projection(k, gated, head_dim, intermediate_size)) or tuned(block_m, k, gated, head_dim)
+    triton_skinny.plan = plan
+
+
+def one(args):
+    """The child: one variant's engine, a RESULT line of ms per step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from transformers import AutoConfig
+    from nanovllm import LLM
+    from nanovllm.utils.random_checkpoint import default_checkpoint
+    from profile_decode import profile_batch
+    model = args.model or str(default_checkpoint("qwen3-0.6b"))
+    apply(parse_variant(args.one), AutoConfig.from_pretrained(model).intermediate_size)
+    llm = LLM(model, max_num_seqs=max(args.batch))
+    timing = argparse.Namespace(context=args.context, steps=args.steps, rows=0, trace=None)
+    print("RESULT", *(f"{profile_batch(llm, b, timing) * 1e3:.3f}" for b in args.batch), flush=True)
+    llm.exit()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--variant", action="append", help='e.g. "split=64 down=32,512,4"; "" is the code as it is')
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one is not None:
+        return one(args)
+    variants = args.variant or [""]
+    for text in variants:  # every variant's error before the first engine starts
+        try:
+            parse_variant(text)
+        except ValueError as e:
+            parser.error(str(e))
+    rows = []
+    for text in variants:
+        start = time.perf_counter()
+        command = [sys.executable, __file__, "--one", text, "--batch", *map(str, args.batch), "--context",
+                   str(args.context), "--steps", str(args.steps)] + (["--model", args.model] if args.model else [])
+        child = subprocess.run(command, capture_output=True, text=True)
+        result = [line.split()[1:] for line in child.stdout.splitlines() if line.startswith("RESULT")]
+        if child.returncode or not result:
+            sys.exit(f"variant {text!r} failed ({child.returncode}):\n{child.stderr[-3000:]}")
+        rows.append((text or "(as it is)", result[0]))
+        print(f"{text or '(as it is)'}: {' '.join(result[0])} ms/step ({time.perf_counter() - start:.0f} s)",
+              flush=True)
+    print(f"| variant | {' | '.join(f'batch {b}' for b in args.batch)} |")
+    print(f"| --- |{' ---: |' * len(args.batch)}")
+    for text, times in rows:
+        print(f"| {text} | {' | '.join(times)} |")
+
+
+if __name__ == "__main__":
+    main()
