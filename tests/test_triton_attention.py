@@ -113,6 +113,43 @@ def test_decode_matches_reference(case, dtype, monkeypatch):
     assert_close(out, expected, dtype)
 
 
+def test_decode_splits_reach_the_last_key_of_every_context():
+    """Contexts a few keys past splits x kv_tile (4 splits of 32-key tiles: 129, 130 keys), where a chunk of
+    floor(context / splits) keys would stop short of the last ones: the splits still cover every key."""
+    contexts = [129, 130, 159, 40]
+    q, k, v, caches, meta = make_case([1] * 4, contexts, 4, 2, 64, 16, False, seed=12)
+    expected = reference(q, k, v, caches, meta, False)
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    assert triton_attention.decode_tile(64, 4)[0] == 32  # (the tile the contexts are chosen for)
+    out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125, num_splits=4,
+                                            min_split_tokens=16)
+    assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_of_an_empty_context_writes_zeros(splits, monkeypatch):
+    """A row of context 0 (a decode graph's padding row) gets zeros, written by its first split, and the other rows
+    their attention, with every buffer the kernels allocate filled with NaN first: nothing is read that the
+    decode kernel did not write."""
+    class NaNTorch:  # torch, whose `empty` is NaN-filled
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            return torch.empty(*args, **kwargs).fill_(float("nan"))
+    monkeypatch.setattr(triton_attention, "torch", NaNTorch())
+    q, k, v, caches, meta = make_case([1] * 4, [37, 5, 90, 20], 4, 2, 64, 16, False, seed=13)
+    expected = reference(q, k, v, caches, meta, False)[:3]
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    context_lens = meta.context_lens.clone()
+    context_lens[3] = 0
+    out = triton_attention.decode_attention(q, *caches, meta.block_tables, context_lens, 0.125, num_splits=splits,
+                                            min_split_tokens=16)
+    assert_close(out[:3], expected, torch.float32)
+    assert (out[3] == 0).all()
+
+
 def merged(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """The splits' outputs [tokens, heads, splits, head_dim] weighted by exp2 of their lse, in float64 (a row
     whose splits are all empty, -inf: 0)."""
@@ -162,6 +199,24 @@ def test_merge_reads_only_the_splits_that_the_context_fills(per_thread, monkeypa
     assert_close(out, expected, torch.float32)
 
 
+def test_merge_takes_a_tile_of_any_number_of_splits():
+    """More splits than PER_THREAD_SPLITS and not a power of two (40: batch 1 over 13 KV heads on an H200 has as
+    many), merged as a tile across the threads: padded to a power of two (`tl.arange`'s), only the splits each
+    context fills read (NaN beyond them)."""
+    assert 40 > triton_attention.PER_THREAD_SPLITS
+    contexts = torch.tensor([600, 17, 640], dtype=torch.int32)  # 16-key splits: 38, 2, 40 filled
+    filled = [38, 2, 40]
+    gen = torch.Generator().manual_seed(9)
+    partial, lse = torch.randn(3, 2, 40, 64, generator=gen), torch.randn(3, 2, 40, generator=gen) * 4
+    lse[0, 1, 5] = float("-inf")
+    for row, n in enumerate(filled):
+        partial[row, :, n:], lse[row, :, n:] = float("nan"), float("nan")
+    expected = merged(partial.nan_to_num(), lse.nan_to_num(nan=float("-inf")))
+    out = torch.empty(3, 2, 64, device=DEVICE)
+    triton_attention.merge_splits(partial.to(DEVICE), lse.to(DEVICE), out, (contexts.to(DEVICE), 16, 16))
+    assert_close(out, expected, torch.float32)
+
+
 def test_decode_default_split_size():
     """The engine's own split choice and minimum split length on contexts of up to 700 tokens."""
     contexts = [700, 1, 257]
@@ -191,6 +246,28 @@ def test_decode_splits_are_shorter_where_the_merge_takes_a_tile(monkeypatch):
         assert_close(out, expected, torch.float32)
     assert merges == [(64, triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE), (16, triton_attention.MIN_SPLIT_TOKENS)]
     assert triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE < triton_attention.MIN_SPLIT_TOKENS  # (else nothing shown)
+
+
+def test_decode_merges_one_dim_a_thread_up_to_per_thread_splits(monkeypatch):
+    """The boundary of the two merges: at exactly PER_THREAD_SPLITS splits the merge keeps one dim a thread and the
+    default minimum split is MIN_SPLIT_TOKENS; one split more, the merge takes a tile and the minimum is
+    MIN_SPLIT_TOKENS_TILE_MERGE. The output is right both times."""
+    kernel, launches = triton_attention._merge_splits_kernel, []
+
+    class Spy:  # records (splits, min_split_tokens, SPLITS) of each merge launch
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((args[4], args[5], kw["SPLITS"])) or kernel[grid](*args, **kw)
+    monkeypatch.setattr(triton_attention, "_merge_splits_kernel", Spy())
+    q, k, v, caches, meta = make_case([1, 1], [300, 7], 2, 1, 64, 16, False, seed=14)
+    expected = reference(q, k, v, caches, meta, False)
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    per_thread = triton_attention.PER_THREAD_SPLITS
+    for splits in (per_thread, per_thread + 1):
+        out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125,
+                                                num_splits=splits)
+        assert_close(out, expected, torch.float32)
+    assert launches == [(per_thread, triton_attention.MIN_SPLIT_TOKENS, per_thread),
+                        (per_thread + 1, triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE, 0)]
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -382,6 +459,19 @@ def test_varlen_without_cache_reads_this_steps_keys(k_layout):
     assert_close(triton_attention.varlen_attention(q, k, v, empty, empty, meta, 0.125), expected, torch.float32)
 
 
+def test_step_without_cache_keeps_its_leading_decodes_on_the_varlen_path(monkeypatch):
+    """A step before the cache exists (a warm-up) that leads with SPLIT_DECODES one-token sequences beside a prompt:
+    the decode kernel, which reads only the cache, does not take them; every sequence attends over its own keys."""
+    monkeypatch.setattr(triton_attention, "SPLIT_DECODES", 3)
+    query_lens = [1, 1, 1, 13]
+    q, k, v, _, meta = make_case(query_lens, query_lens, 4, 2, 64, 16, False, seed=15)
+    meta = dataclasses.replace(meta, num_decodes=3, block_tables=meta.block_tables[:, :0])
+    expected = reference(q, k, v, None, meta, False, paged=False)
+    q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+    empty = torch.empty(0, device=DEVICE)
+    assert_close(triton_attention.paged_attention(q, k, v, empty, empty, meta, 0.125), expected, torch.float32)
+
+
 def assert_stored_as(got: torch.Tensor, want: torch.Tensor):
     """A cache a Triton kernel wrote equals the torch reference's, bit for bit. Except FP8 under Triton's
     interpreter (3.9), which rounds float32 -> FP8 towards zero and mishandles rounding that carries into the
@@ -425,6 +515,17 @@ def test_decode_splits_fill_the_gpu():
     for batch in (1, 2, 8, 16, 32):
         splits = triton_attention.decode_splits(batch, 8, sms)
         assert sms <= batch * 8 * splits <= 4 * sms and splits <= triton_attention.MAX_SPLITS
+
+
+def test_decode_splits_only_below_two_programs_per_sm():
+    """The boundary of the split heuristic: batch x kv_heads programs of exactly SPLIT_BELOW_PROGRAMS_PER_SM per SM
+    fill the GPU (1 split); one program fewer splits."""
+    sms = 132
+    full = triton_attention.SPLIT_BELOW_PROGRAMS_PER_SM * sms
+    assert full % 8 == 0
+    assert triton_attention.decode_splits(full // 8, 8, sms) == 1
+    assert triton_attention.decode_splits(full, 1, sms) == 1
+    assert triton_attention.decode_splits(full - 1, 1, sms) > 1
 
 
 @pytest.mark.parametrize("split_decodes", [0, 1])
