@@ -236,6 +236,18 @@ def test_wide_products_need_dependent_launches(skinny_calls, monkeypatch):
     assert skinny_calls == [((4, 64), False, False, False), ((4, 64), True, False, False)]
 
 
+def test_square_products_need_dependent_launches(monkeypatch):
+    """`fits` takes fewer outputs than inputs without PDL, so a square product (Llama's o_proj) is not one of them;
+    with PDL it is."""
+    for name, value in [("ENABLED", True), ("DEVICE_TYPE", DEVICE.type), ("pdl_launch", lambda device: False)]:
+        monkeypatch.setattr(triton_skinny, name, value)
+    x = torch.zeros(4, 64, device=DEVICE)
+    assert triton_skinny.fits(x, torch.zeros(63, 64, device=DEVICE))
+    assert not triton_skinny.fits(x, torch.zeros(64, 64, device=DEVICE))
+    monkeypatch.setattr(triton_skinny, "pdl_launch", lambda device: True)
+    assert triton_skinny.fits(x, torch.zeros(64, 64, device=DEVICE))
+
+
 def test_row_parallel_layers_add_the_residual_in_it(skinny_calls):
     """o_proj and down are RowParallelLinear: a decode step's few rows take the skinny matmul, bias and residual
     included."""
@@ -286,6 +298,35 @@ def test_skinny_reads_rows_at_their_strides():
     for block_k in (512, 64):
         out = fused(x, w, norm_weight=norm_weight, residual=res, config=(16, block_k, 4))
         assert rel_error(out, expected) < 1e-5, block_k
+
+
+@pytest.mark.parametrize("block_k", [64, 32])
+def test_epilogue_rounds_where_the_unfused_layers_do(block_k):
+    """In a 16-bit dtype (float16: the interpreter's bf16 `tl.dot` is wrong) the product is rounded to it before
+    the residual is added (as `residual + o_proj(x)`), and gate and up before silu(gate) * up, which is rounded
+    once. x is integer and w a multiple of 1/256, so every float32 sum is exact while most need rounding to
+    float16; the gates are biased past 20, where float32's sigmoid is 1, so silu(gate) * up is exact in float32
+    too: the output must equal the exactly computed one bit for bit."""
+    dtype, gen = torch.float16, torch.Generator().manual_seed(2)
+    m, n, k = 5, 24, 64
+    x = torch.randint(-32, 33, (m, k), generator=gen).to(dtype)
+    w = (torch.randint(-64, 65, (2 * n, k), generator=gen) / 256).to(dtype)
+    exact = x.double() @ w.double().T  # the float32 sums, exactly
+    assert (exact[:, :n].to(dtype).double() != exact[:, :n]).float().mean() > 0.5
+    res = (torch.randn(m, n, generator=gen) * 4).to(dtype)
+    want = (exact[:, :n].to(dtype).double() + res.double()).to(dtype)  # rounded, then the residual added
+    assert not torch.equal(want, (exact[:, :n] + res.double()).to(dtype))  # (rounding once would differ)
+    out = triton_skinny.skinny_linear(x.to(DEVICE), w[:n].to(DEVICE), residual=res.to(DEVICE),
+                                      config=(16, block_k, 4))
+    assert torch.equal(out.cpu(), want)
+    bias = torch.cat([torch.full((n,), 96.0), torch.zeros(n)]).to(dtype)
+    gate, up = (exact + bias.double()).to(dtype).double().chunk(2, -1)  # each rounded as the projection's output
+    assert gate.min() > 20  # sigmoid(gate) == 1 in float32
+    want = (gate * up).to(dtype)
+    assert not torch.equal(want, ((exact[:, :n] + 96) * up).to(dtype))  # (an unrounded gate would differ)
+    out = triton_skinny.skinny_linear(x.to(DEVICE), w.to(DEVICE), bias.to(DEVICE), gated=True,
+                                      config=(16, block_k, 4))
+    assert torch.equal(out.cpu(), want)
 
 
 def test_counters_grow_with_the_blocks():
