@@ -157,17 +157,24 @@ def merged(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return (weight[..., None] * partial.double()).sum(2) / weight.sum(-1).clamp(min=1e-300)[..., None]
 
 
+@pytest.fixture
+def merge_launches(monkeypatch) -> list[tuple[int, int, int]]:
+    """(num_splits, min_split_tokens, SPLITS) of each launch of the merge kernel while the test runs (SPLITS: one
+    dim a thread; 0: the tile)."""
+    kernel, launches = triton_attention._merge_splits_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((args[4], args[5], kw["SPLITS"])) or kernel[grid](*args, **kw)
+    monkeypatch.setattr(triton_attention, "_merge_splits_kernel", Spy())
+    return launches
+
+
 @pytest.mark.parametrize("per_thread", [True, False])
-def test_merge_weighs_splits_by_their_lse_without_overflow(per_thread, monkeypatch):
+def test_merge_weighs_splits_by_their_lse_without_overflow(per_thread, monkeypatch, merge_launches):
     """Splits whose log-sum-exps lie hundreds apart (exp2 of their differences overflows float32), empty ones
     (-inf), all empty (0 out): the merge is the float64 weighted mean, each way of merging."""
     monkeypatch.setattr(triton_attention, "PER_THREAD_SPLITS", 32 if per_thread else 0)
-    kernel, launches = triton_attention._merge_splits_kernel, []
-
-    class Spy:  # records the way of merging each launch takes (SPLITS: one dim a thread; 0: the tile)
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append(kw["SPLITS"]) or kernel[grid](*args, **kw)
-    monkeypatch.setattr(triton_attention, "_merge_splits_kernel", Spy())
     gen = torch.Generator().manual_seed(5)
     partial = torch.randn(3, 2, 5, 64, generator=gen)
     lse = torch.tensor([[0.0, 300.0, -200.0, float("-inf"), -100.0], [5.0, float("-inf"), 4.0, 3.0, -400.0]])
@@ -177,7 +184,7 @@ def test_merge_weighs_splits_by_their_lse_without_overflow(per_thread, monkeypat
     out = torch.empty(3, 2, 64, device=DEVICE)
     triton_attention.merge_splits(partial.to(DEVICE), lse.to(DEVICE), out)
     assert_close(out, expected, torch.float32)
-    assert launches == [5 if per_thread else 0]
+    assert [ways for *_, ways in merge_launches] == [5 if per_thread else 0]
 
 
 @pytest.mark.parametrize("per_thread", [True, False])
@@ -227,16 +234,10 @@ def test_decode_default_split_size():
     assert_close(out, expected, torch.float32)
 
 
-def test_decode_splits_are_shorter_where_the_merge_takes_a_tile(monkeypatch):
+def test_decode_splits_are_shorter_where_the_merge_takes_a_tile(merge_launches):
     """The default minimum split: MIN_SPLIT_TOKENS_TILE_MERGE where there are more splits than the merge takes one
     dim a thread (batch 1: 64 splits), MIN_SPLIT_TOKENS where there are not (32 programs: 16 splits); the kernel
     and its merge count the same filled splits, so the output is right either way."""
-    merges, merge_splits = [], triton_attention.merge_splits
-
-    def spy(partial, lse, out, written):
-        merges.append((partial.size(2), written[1]))
-        merge_splits(partial, lse, out, written)
-    monkeypatch.setattr(triton_attention, "merge_splits", spy)
     for contexts, kv_heads in (([300], 1), ([300, 1, 70, 129, 64, 200, 2, 90], 4)):
         q, k, v, caches, meta = make_case([1] * len(contexts), contexts, 2 * kv_heads, kv_heads, 64, 16, False,
                                           seed=len(contexts))
@@ -244,20 +245,15 @@ def test_decode_splits_are_shorter_where_the_merge_takes_a_tile(monkeypatch):
         q, k, v, caches = to_device(q, k, v, caches, torch.float32)
         out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125)
         assert_close(out, expected, torch.float32)
-    assert merges == [(64, triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE), (16, triton_attention.MIN_SPLIT_TOKENS)]
+    assert merge_launches == [(64, triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE, 0),
+                              (16, triton_attention.MIN_SPLIT_TOKENS, 16)]
     assert triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE < triton_attention.MIN_SPLIT_TOKENS  # (else nothing shown)
 
 
-def test_decode_merges_one_dim_a_thread_up_to_per_thread_splits(monkeypatch):
+def test_decode_merges_one_dim_a_thread_up_to_per_thread_splits(merge_launches):
     """The boundary of the two merges: at exactly PER_THREAD_SPLITS splits the merge keeps one dim a thread and the
     default minimum split is MIN_SPLIT_TOKENS; one split more, the merge takes a tile and the minimum is
     MIN_SPLIT_TOKENS_TILE_MERGE. The output is right both times."""
-    kernel, launches = triton_attention._merge_splits_kernel, []
-
-    class Spy:  # records (splits, min_split_tokens, SPLITS) of each merge launch
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((args[4], args[5], kw["SPLITS"])) or kernel[grid](*args, **kw)
-    monkeypatch.setattr(triton_attention, "_merge_splits_kernel", Spy())
     q, k, v, caches, meta = make_case([1, 1], [300, 7], 2, 1, 64, 16, False, seed=14)
     expected = reference(q, k, v, caches, meta, False)
     q, k, v, caches = to_device(q, k, v, caches, torch.float32)
@@ -266,8 +262,8 @@ def test_decode_merges_one_dim_a_thread_up_to_per_thread_splits(monkeypatch):
         out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125,
                                                 num_splits=splits)
         assert_close(out, expected, torch.float32)
-    assert launches == [(per_thread, triton_attention.MIN_SPLIT_TOKENS, per_thread),
-                        (per_thread + 1, triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE, 0)]
+    assert merge_launches == [(per_thread, triton_attention.MIN_SPLIT_TOKENS, per_thread),
+                              (per_thread + 1, triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE, 0)]
 
 
 @pytest.mark.parametrize("splits", [1, 3])
