@@ -14,7 +14,6 @@ import argparse
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 SETTINGS = ("split", "min_split")
 TILES = ("qkv", "o_proj", "gate_up", "down")
@@ -59,7 +58,6 @@ def apply(variant: dict, intermediate_size: int):
 
 def one(args):
     """The child: one variant's engine, a RESULT line of ms per step."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from transformers import AutoConfig
     from nanovllm import LLM
     from nanovllm.utils.random_checkpoint import default_checkpoint
@@ -99,8 +97,7 @@ def main():
         if child.returncode or not result:
             sys.exit(f"variant {text!r} failed ({child.returncode}):\n{child.stderr[-3000:]}")
         rows.append((text or "(as it is)", result[0]))
-        print(f"{text or '(as it is)'}: {' '.join(result[0])} ms/step ({time.perf_counter() - start:.0f} s)",
-              flush=True)
+        print(f"{rows[-1][0]}: {' '.join(result[0])} ms/step ({time.perf_counter() - start:.0f} s)", flush=True)
     print(f"| variant | {' | '.join(f'batch {b}' for b in args.batch)} |")
     print(f"| --- |{' ---: |' * len(args.batch)}")
     for text, times in rows:

@@ -203,7 +203,7 @@ _counters: dict[torch.device, torch.Tensor] = {}
 def plan(block_m: int, k: int, gated: bool, head_dim: int = 0) -> tuple[int, int, int]:
     """(block_n, block_k, num_warps), the fastest tiles of `benchmarks/skinny_gemm.py --sweep` on an H200 in
     Qwen3-0.6B's shapes (K 1024 for qkv and gate/up, 2048 for o_proj, 3072 for down) at 16 and 32 rows, but for
-    down at up to 16 rows, timed in the engine's decode steps instead: twice the programs (192 for Qwen3-0.6B)
+    K above 2048 (down there) at up to 16 rows, timed in the engine's decode steps instead: twice the programs (192)
     of half the weights took batch 1 from 0.858 to 0.807 ms a step, 2 from 0.907 to 0.892, 4 and 16 the same (at
     32 rows 0.4% slower, so they keep theirs). With rope (head_dim), a program takes half a head twice (one head)
     and 32K weights, as the plain qkv tiles do."""
