@@ -141,31 +141,28 @@ def short_tile_cases() -> list:
     return [(b, c, False, dict(kv_tile=t, num_warps=w, num_stages=st)) for b, c in shapes for t, w, st in tiles]
 
 
-def cell(us: float, p: Problem) -> str:
-    """Microseconds and, in brackets, TB/s of bf16 KV read."""
-    return f"{us:.1f} ({p.bytes_bf16 / us / 1e6:.2f})"
+def cell(us: float, p: Problem, fp8: bool = False) -> str:
+    """Microseconds and, in brackets, TB/s of KV read (bf16, or FP8: half the bytes)."""
+    return f"{us:.1f} ({p.bytes_bf16 / (2 if fp8 else 1) / us / 1e6:.2f})"
 
 
 def ragged(args):
-    """Splits against ragged contexts (bench.py's: 100 to 2,048 tokens, uniform), in batch order and longest first
-    (the order the engine's decode graphs give the kernel), beside equal contexts of their mean."""
+    """Split counts (--splits) against ragged contexts (bench.py's: 100 to 2,048 tokens, uniform, longest first:
+    the order the engine's decode graphs give the kernel) and against equal contexts of their mean (1,074); over
+    the cache of --kv-cache-dtype (TB/s of the bytes read: an FP8 cache is half of them)."""
     copy = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"copy bandwidth {copy:.2f} TB/s; contexts uniform in 100..2048, block 256; us (TB/s)")
-    splits = (1, 2, 4, 8)
-    print("| batch | chosen | equal, 1 split | " + " | ".join(f"{s} splits" for s in splits)
-          + " | " + " | ".join(f"longest first, {s} splits" for s in splits) + " |")
-    print("| ---: " * (2 * len(splits) + 3) + "|")
+    fp8 = args.kv_cache_dtype == "fp8"
+    print(f"copy bandwidth {copy:.2f} TB/s; {args.kv_cache_dtype} cache, block 256; us (TB/s)")
+    print("| batch | chosen | " + " | ".join(f"{s} ragged | {s} equal" for s in args.splits) + " |")
+    print("| ---: " * (2 * len(args.splits) + 2) + "|")
     for batch in args.batch:
-        equal = Problem(batch, 1074, 256, fp8=False)  # the mean context, for comparison
-        cells = [cell(time_us(equal.triton(num_splits=1)), equal)]
-        del equal
-        for longest_first in (False, True):
-            p = Problem(batch, 2048, 256, fp8=False, shortest=100, longest_first=longest_first)
-            cells += [cell(time_us(p.triton(num_splits=s)), p) for s in splits]
-            del p
-        print(f"| {batch} | {triton_attention.decode_splits(batch, KV_HEADS, sms)} | " + " | ".join(cells) + " |",
-              flush=True)
+        problems = (Problem(batch, 2048, 256, fp8=fp8, shortest=100, longest_first=True),
+                    Problem(batch, 1074, 256, fp8=fp8))
+        cells = [cell(time_us(p.triton(fp8=fp8, num_splits=s)), p, fp8) for s in args.splits for p in problems]
+        chosen = triton_attention.decode_splits(batch, KV_HEADS, sms, 1 if fp8 else 2)
+        print(f"| {batch} | {chosen} | " + " | ".join(cells) + " |", flush=True)
+        del problems
         torch.cuda.empty_cache()
 
 
@@ -223,6 +220,8 @@ def main():
     parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "fp8", "short", "ragged", "ragged-tiles"],
                         help="time the kernel's tile and split choices instead (fp8: the FP8 tiles at more shapes; "
                              "ragged, ragged-tiles: splits and tiles at bench.py's ragged contexts, over --batch)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the cache of --sweep ragged")
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8], help="the split counts of --sweep ragged")
     args = parser.parse_args()
     torch.manual_seed(0)
     named = {"ragged": ragged, "ragged-tiles": ragged_tiles}

@@ -73,12 +73,14 @@ def main():
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--rows", type=int, default=15, help="kernels listed")
     parser.add_argument("--trace", help="a file: write a Chrome trace of the profiled steps")
     args = parser.parse_args()
 
     start = time.perf_counter()
-    llm = LLM(args.model or str(default_checkpoint("qwen3-0.6b")), enforce_eager=args.enforce_eager)
+    llm = LLM(args.model or str(default_checkpoint("qwen3-0.6b")), enforce_eager=args.enforce_eager,
+              kv_cache_dtype=args.kv_cache_dtype)
     print(f"engine ready in {time.perf_counter() - start:.1f} s", flush=True)
     results = [profile_batch(llm, batch, args) for batch in args.batch]
     print("| batch | context | ms/step | tok/s |\n| ---: | ---: | ---: | ---: |")
