@@ -39,9 +39,12 @@ from nanovllm.layers.triton_guard import num_sms as _num_sms, pdl_args
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
-# Split heuristic, measured on an H200 (benchmarks/decode_attention_notes.md)
-SPLIT_BELOW_PROGRAMS_PER_SM = 2  # split when batch x kv_heads < this many programs per SM
-SPLIT_TARGET_PROGRAMS_PER_SM = 4  # and then make at most this many (more than two waves loses to the tail)
+# Split heuristic, measured on an H200 (benchmarks/decode_attention_notes.md): split when batch x kv_heads programs
+# are fewer than this many per SM, by the cache's bytes an element. Over FP8 (an SM holds 6 of its programs, 4 of
+# the bf16 kernel's) 33-49 sequences split in 2 too: at 48, 55.1 -> 49.3 us at equal contexts of 1,074, 78.6 -> 62.0
+# at bench.py's ragged ones, and 2.748 -> 2.582 ms a step (session 30)
+SPLIT_BELOW_PROGRAMS_PER_SM = {2: 2, 1: 3}
+SPLIT_TARGET_PROGRAMS_PER_SM = 4  # and then make about this many, 2 splits at least (more loses to the tail)
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
 # and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
@@ -235,12 +238,12 @@ if triton is not None:
         tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kv_itemsize: int = 2) -> int:
     """How many chunks decode cuts each sequence's keys into: 1 when the programs fill the GPU."""
     programs = batch * num_kv_heads
-    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
+    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM[min(kv_itemsize, 2)] * num_sms:  # (float32 splits as bf16 does)
         return 1
-    return max(1, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS_PER_SM * num_sms // programs))
+    return max(2, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS_PER_SM * num_sms // programs))
 
 
 def decode_tile(head_dim: int, kv_itemsize: int) -> tuple[int, int, int]:
@@ -298,7 +301,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert k_cache.is_contiguous() and v_cache.shape == k_cache.shape and v_cache.is_contiguous()
     assert q.stride(-1) == 1 and block_tables.stride(-1) == 1 and num_heads % kv_heads == 0
     if num_splits is None:
-        num_splits = decode_splits(batch, kv_heads, _num_sms(q.device))
+        num_splits = decode_splits(batch, kv_heads, _num_sms(q.device), k_cache.element_size())
     if min_split_tokens is None:
         min_split_tokens = MIN_SPLIT_TOKENS if num_splits <= PER_THREAD_SPLITS else MIN_SPLIT_TOKENS_TILE_MERGE
     tile, warps, stages = decode_tile(head_dim, k_cache.element_size())
