@@ -103,7 +103,7 @@ def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
     qk_norm, fp8, bias, norm = seed % 2 == 0, seed % 3 == 2, seed % 4 < 2, seed < 3
     if fp8 and not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("no float8 here")
-    m, k = rng.randint(2, 7), rng.choice([48, 200])
+    m, k = rng.randint(2, 7) if seed % 2 else rng.randint(17, 24), rng.choice([48, 200])  # 16 and 32-row blocks
     _, _, _, positions, rope, q_norm, k_norm, caches, slots, (k_scale, v_scale) = case(
         seed, torch.float32, num_heads, num_kv_heads, head_dim, qk_norm, fp8, num_tokens=m)
     gen = torch.Generator().manual_seed(seed)
@@ -284,6 +284,21 @@ def test_row_parallel_ranks_add_the_residual_after_the_all_reduce(skinny_calls, 
     assert skinny_calls == [((3, 64), False, False, False)] * 2  # the kernel gets no residual
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_normed_parts_sum_squares_whole_rows_or_their_own(gated):
+    """K in parts: up to 16 rows each program sums the squares of its rows whole, past them each part its own
+    columns' and the last part scales the sums by rstd; either way the normed product of the unfused layers."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 40, 300
+    w = torch.randn(2 * n if gated else n, k, generator=gen) / k ** 0.5
+    norm_weight = torch.rand(k, generator=gen) + 0.5
+    assert [triton_skinny.norm_parts(5, block_m) for block_m in (16, 32)] == [5, 0]
+    for m in (16, 17, 32):
+        x = torch.randn(m, k, generator=gen) * 3
+        out = fused(x, w, norm_weight=norm_weight, gated=gated, config=(16, 64, 4))
+        assert rel_error(out, reference(x, w, None, norm_weight, gated)) < 1e-5, m
+
+
 def test_skinny_reads_rows_at_their_strides():
     """x, w and the residual may be views whose rows lie further apart than their width (slices of wider
     tensors; `fits` asks only that columns be contiguous): each row is read at its own stride, with the norm's
@@ -433,6 +448,8 @@ def test_kernels_compile_for_sm90():
             (16, 32, 256, (True, False, False, False, False, False), no_rope),
             (16, 64, 256, (False, True, False, False, True, True),
              dict(ROPE=True, NUM_HEADS=16, NUM_KV_HEADS=8, QK_NORM=True, QUANTIZE=False)),
+            (32, 64, 256, (False, True, False, False, True, True),
+             dict(ROPE=True, NUM_HEADS=16, NUM_KV_HEADS=8, QK_NORM=True, QUANTIZE=False)),
             (32, 64, 1024, (True, False, False, False, False, False),
              dict(ROPE=True, NUM_HEADS=14, NUM_KV_HEADS=2, QK_NORM=False, QUANTIZE=True))]:
         bias, norm, gated, residual, split, pdl = flags
@@ -443,7 +460,8 @@ def test_kernels_compile_for_sm90():
                        k_weight_ptr=f"*{weights}")
         cases.append(("nanovllm.layers.triton_skinny", "_skinny_kernel", sig,
                       dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, NORM=norm,
-                           GATED=gated, RESIDUAL=residual, SPLIT=split, NORM_PARTS=4 if split and norm else 1,
-                           PDL=pdl, DOT_PRECISION="tf32", **rope),
+                           GATED=gated, RESIDUAL=residual, SPLIT=split,
+                           NORM_PARTS=triton_skinny.norm_parts(4 if split else 1, block_m), PDL=pdl,
+                           DOT_PRECISION="tf32", **rope),
                       dict(num_warps=8 if rope["ROPE"] else 4, num_stages=1)))
     compile_for_sm90(cases)

@@ -1,7 +1,9 @@
 """A decode step's projections at small batches, each with what sits around it in a decoder layer, in one launch:
 y = act(norm(x) @ w.T + bias) + residual for x [M, K] with M <= MAX_ROWS, w [N, K], every part but the product
 optional:
-- norm: RMSNorm of each row of x (its weight and eps), rounded to the model's dtype where `RMSNorm` rounds;
+- norm: RMSNorm of each row of x (its weight and eps), rounded to the model's dtype where `RMSNorm` rounds; or,
+  with K in parts at more than 16 rows (`norm_parts`), as rstd * ((weight * x) @ w.T), weight * x rounded to the
+  model's dtype (a rounding apart): rstd is a factor of each row, so a part needs only its own columns' squares;
 - gated: w holds gate rows then up rows ([2N, K], a merged gate/up projection) and y = silu(gate) * up, [M, N];
 - residual: added to the product rounded to the model's dtype, as `residual + o_proj(x)` adds them;
 - rope: w is a qkv projection, and what `triton_rope_store` does after it (q/k norms, rope, the KV store) is
@@ -12,9 +14,9 @@ add + norm, gate/up, silu, down).
 
 Each program reads one block of w, BLOCK_N rows by BLOCK_K columns (and the matching up rows, or the head's
 other half), against the rows of x padded to 16 for `tl.dot`. When K is longer than BLOCK_K, its parts write
-their float32 partial sums and the program that finishes last for a block of columns (a counter per block, which
-it resets to 0) adds them up and applies the rest; one launch either way. The grid depends on M, N and K only,
-so a CUDA graph of a batch size captures it.
+their float32 partial sums (and their rows' sums of squares) and the program that finishes last for a block of
+columns (a counter per block, which it resets to 0) adds them up and applies the rest; one launch either way. The
+grid depends on M, N and K only, so a CUDA graph of a batch size captures it.
 
 Programmatic dependent launch (sm90+, `pdl`): the GPU may start a kernel while the one before it still runs.
 Each program loads its weights, which no kernel writes, and only then waits (`gdc_wait`) for the previous
@@ -152,19 +154,23 @@ if triton is not None:
         residual = bias[None, :]
         if RESIDUAL:  # for the epilogue, loaded now: one round trip less after the last part's sum
             residual = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask, other=0.0)
-        x_rows = x_ptr + rows[:, None] * x_stride
-        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if NORM:
-            if SPLIT:  # the sum of squares needs the whole row: its parts' loads unrolled, so issued at once
-                squares = tl.zeros([BLOCK_M], tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        if NORM:  # the sums of squares of NORM_PARTS parts of K, 0: of this part's, rstd applied to the sums below
+            if NORM_PARTS > 1:  # the whole row's, its parts' loads unrolled, so issued at once
                 for chunk in tl.static_range(NORM_PARTS):
                     k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
-                    xk = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
+                    xk = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :],
+                                 mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
                     squares += tl.sum(xk.to(tl.float32) * xk.to(tl.float32), 1)
             else:
                 squares = tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
-            rstd = tl.math.rsqrt(squares / K + eps)
-            x = (weight[None, :] * (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
+            if NORM_PARTS:  # rounded as RMSNorm rounds
+                rstd = tl.math.rsqrt(squares / K + eps)
+                x = (weight[None, :] * (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
+            else:
+                x = (weight[None, :] * x.to(tl.float32)).to(x.dtype)
         acc = tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         acc_up = acc
         if GATED or ROPE:
@@ -176,18 +182,29 @@ if triton is not None:
             tl.store(partials + part * BLOCK_M * width, acc, mask=mask)
             if GATED or ROPE:
                 tl.store(partials + part * BLOCK_M * width + pair, acc_up, mask=mask)
+            # then [parts, blocks, BLOCK_M]: the rows' squares of each part, a copy for each block of columns
+            part_squares = partial_ptr + parts * BLOCK_M * width + pid_n * BLOCK_M + rows
+            if NORM and not NORM_PARTS:
+                tl.store(part_squares + part * tl.num_programs(0) * BLOCK_M, squares)
             tl.debug_barrier()  # every thread's partial sums are written before the counter says so
             last = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == parts - 1
             if last:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                squares = tl.zeros([BLOCK_M], tl.float32)
                 for p in range(parts):  # ".cg": from L2, where the other programs' stores are
                     acc += tl.load(partials + p * BLOCK_M * width, mask=mask, other=0.0, cache_modifier=".cg")
                     if GATED or ROPE:
                         acc_up += tl.load(partials + p * BLOCK_M * width + pair, mask=mask, other=0.0,
                                           cache_modifier=".cg")
+                    if NORM and not NORM_PARTS:
+                        squares += tl.load(part_squares + p * tl.num_programs(0) * BLOCK_M, cache_modifier=".cg")
                 tl.store(counter_ptr + pid_n, 0)  # ready for the next launch
         if last:
+            if NORM and not NORM_PARTS:
+                rstd = tl.math.rsqrt(squares / K + eps)[:, None]
+                acc *= rstd
+                acc_up *= rstd
             if ROPE:
                 _rope_epilogue(acc, acc_up, bias, bias_up, out_ptr, rows, cols, pid_n, N, row_mask, cos, sin, slot,
                                w1, w2, k_cache_ptr, v_cache_ptr, qk_eps, k_scale, v_scale, HAS_BIAS, BLOCK_N,
@@ -198,6 +215,17 @@ if triton is not None:
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
+# up to this many rows a program of a normed product in parts loads its rows whole for their sums of squares; past
+# them each part sums its own columns' squares and the last part applies rstd to the sums. On an H200 (context
+# ~1,000, ms a step, two calls in opposite orders) the parts' own squares took 32 sequences from 1.916 / 1.927 to
+# 1.860 / 1.878 but 4 from 0.963 / 0.966 to 1.031 / 1.022, 8 and 16 alike (session 31)
+WHOLE_ROWS_NORM_UP_TO = 16
+
+
+def norm_parts(parts: int, block_m: int) -> int:
+    """The kernel's NORM_PARTS: the parts of K whose squares a program loads (1: K in one part, its own), or 0:
+    its own part's, the last part applying rstd to the sums."""
+    return 1 if parts == 1 else parts if block_m <= WHOLE_ROWS_NORM_UP_TO else 0
 
 
 def plan(block_m: int, k: int, gated: bool, head_dim: int = 0) -> tuple[int, int, int]:
@@ -275,15 +303,17 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     blocks, parts = (n // head_dim if rope is not None else -(-n // block_n)), -(-k // block_k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     split = parts > 1
-    partial = torch.empty(parts, block_m, 2 * n if gated else n, dtype=torch.float32, device=x.device) \
-        if split else out
+    # the parts' sums [parts, block_m, width], then their rows' sums of squares [parts, blocks, block_m]
+    partial = torch.empty(parts * block_m * ((2 * n if gated else n) + blocks), dtype=torch.float32,
+                          device=x.device) if split else out
     norm_weight, eps = norm if norm is not None else (out, 0.0)
     _skinny_kernel[(blocks, parts)](
         x, w, bias if bias is not None else out, norm_weight, residual if residual is not None else out, out,
         partial, _counter(x.device, blocks) if split else out, m, n, k, x.stride(0), w.stride(0),
         residual.stride(0) if residual is not None else 0, eps, parts, *rope_args, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None, GATED=gated,
-        RESIDUAL=residual is not None, SPLIT=split, NORM_PARTS=parts if split and norm is not None else 1,
+        RESIDUAL=residual is not None, SPLIT=split,
+        NORM_PARTS=norm_parts(parts, block_m) if norm is not None else 1,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ROPE=rope is not None,
         NUM_HEADS=n // head_dim - 2 * num_kv_heads if rope is not None else 0, NUM_KV_HEADS=num_kv_heads,
         QK_NORM=rope is not None and rope.q_weight is not None, QUANTIZE=quantize,
