@@ -49,3 +49,24 @@ def test_step_variants_sets_what_the_engine_reads(monkeypatch):
     assert (triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE, triton_attention.MIN_SPLIT_TOKENS) == (32, 96)
     assert triton_skinny.plan(16, 3072, False) == (16, 256, 4)
     assert triton_skinny.plan(16, 2048, False) == o_proj
+
+
+
+def test_kernel_resources_reads_registers_and_spills_of_an_sm90_compile():
+    """kernel_resources compiles the plan's tile and another for sm90 on this machine (a process without the
+    interpreter) and parses cuobjdump's and nvdisasm's output: register counts a thread can have, stack sizes,
+    some instructions."""
+    import os
+    import subprocess
+    import pytest
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this Triton ships no cuobjdump")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "benchmarks/kernel_resources.py", "--rows", "16", "--shapes", "down",
+                          "--tile", "down=32,512,8"], cwd=root, env=env, capture_output=True, text=True, check=True)
+    rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("| down |")]
+    assert [row[2] for row in rows] == ["(32, 512, 4)", "(32, 512, 8)"]  # the plan's at 16 rows, then the other
+    for _, _, _, regs, stack, instructions in rows:
+        assert 0 < int(regs) <= 255 and int(stack) >= 0 and int(instructions.rstrip(" |")) > 1000
