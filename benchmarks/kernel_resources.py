@@ -63,7 +63,8 @@ def main():
     parser.add_argument("--tile", action="append", default=[], help="NAME=block_n,block_k,warps, as step_variants")
     args = parser.parse_args()
     extra = parse_variant(" ".join(args.tile))
-    print("| projection | rows | tile | registers | stack bytes | SASS instructions |\n| --- | ---: | --- | ---: | ---: | ---: |")
+    print("| projection | rows | tile | registers | stack bytes | SASS instructions |")
+    print("| --- | ---: | --- | ---: | ---: | ---: |")
     for name in args.shapes:
         n, k, norm, gated, residual, rope = SHAPES[name]
         for block_m in args.rows:
