@@ -51,7 +51,6 @@ def test_step_variants_sets_what_the_engine_reads(monkeypatch):
     assert triton_skinny.plan(16, 2048, False) == o_proj
 
 
-
 def test_kernel_resources_reads_registers_and_spills_of_an_sm90_compile():
     """kernel_resources compiles the plan's tile and another for sm90 on this machine (a process without the
     interpreter) and parses cuobjdump's and nvdisasm's output: register counts a thread can have, stack sizes,

@@ -431,7 +431,7 @@ def test_parts_race_free_on_gpu():
 
 def test_kernels_compile_for_sm90():
     """Plain, split, gated and residual variants, and qkv with its rope and store (q/k norms into a bf16 cache
-    in parts; biases into an FP8 cache in one part, 14 heads over 2)."""
+    in parts, at 16 and 32 rows: the norm's two ways; biases into an FP8 cache in one part, 14 heads over 2)."""
     signature = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", norm_ptr="*bf16", res_ptr="*bf16",
                      out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", M="i32", N="i32", K="i32",
                      x_stride="i32", w_stride="i32", res_stride="i32", eps="fp32", parts="i32", qk_eps="fp32",
@@ -461,7 +461,7 @@ def test_kernels_compile_for_sm90():
         cases.append(("nanovllm.layers.triton_skinny", "_skinny_kernel", sig,
                       dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, NORM=norm,
                            GATED=gated, RESIDUAL=residual, SPLIT=split,
-                           NORM_PARTS=triton_skinny.norm_parts(4 if split else 1, block_m), PDL=pdl,
+                           NORM_PARTS=triton_skinny.norm_parts(4 if split else 1, block_m) if norm else 1, PDL=pdl,
                            DOT_PRECISION="tf32", **rope),
                       dict(num_warps=8 if rope["ROPE"] else 4, num_stages=1)))
     compile_for_sm90(cases)
