@@ -60,7 +60,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32], help="block_m: 16 or 32")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--tile", action="append", default=[], help="NAME=block_n,block_k,warps, as step_variants")
+    parser.add_argument("--tile", action="append", default=[],
+                        help="NAME[@ROWS]=block_n,block_k,warps, as step_variants takes it")
     args = parser.parse_args()
     extra = parse_variant(" ".join(args.tile))
     print("| projection | rows | tile | registers | stack bytes | SASS instructions |")
@@ -68,9 +69,9 @@ def main():
     for name in args.shapes:
         n, k, norm, gated, residual, rope = SHAPES[name]
         for block_m in args.rows:
-            tiles = [triton_skinny.plan(block_m, k, gated, HEAD_DIM if rope else 0)] + \
-                ([extra[name]] if name in extra else [])
-            for tile in tiles:
+            tiles = [triton_skinny.plan(block_m, k, gated, HEAD_DIM if rope else 0),
+                     extra.get(f"{name}@{block_m}") or extra.get(name)]
+            for tile in filter(None, tiles):
                 print(resources(name, block_m, tile), flush=True)
 
 

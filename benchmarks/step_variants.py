@@ -5,7 +5,8 @@ read when the CUDA graphs are captured, so one engine cannot time two): ms per s
 
 A variant is NAME=VALUE pairs, space-separated: `split` (the decode kernel's minimum split where the merge takes
 a tile, MIN_SPLIT_TOKENS_TILE_MERGE), `min_split` (MIN_SPLIT_TOKENS), and the skinny projections' tiles `qkv`,
-`o_proj`, `gate_up`, `down` as block_n,block_k,num_warps (qkv's block_n is half a head). "" is the code as it is:
+`o_proj`, `gate_up`, `down` as block_n,block_k,num_warps (qkv's block_n is half a head), at every row count or,
+as `gate_up@32=...`, only where the rows pad to that block (16: 1-16 rows, 32: 17-32). "" is the code as it is:
 time it first and last to see the run-to-run noise. Steps are timed as `profile_decode.py` times them (context
 ~1,000), on an engine of at most the largest batch's sequences (fewer graphs to capture than the default 512).
 Session 29 chose the down projection's tiles at up to 16 rows so (benchmarks/HISTORY.md).
@@ -20,16 +21,20 @@ TILES = ("qkv", "o_proj", "gate_up", "down")
 
 
 def parse_variant(text: str) -> dict:
-    """"split=64 down=32,512,4" -> {"split": 64, "down": (32, 512, 4)}; a ValueError names what is wrong."""
+    """"split=64 down=32,512,4 qkv@32=64,128,8" -> {"split": 64, "down": (32, 512, 4), "qkv@32": (64, 128, 8)};
+    a ValueError names what is wrong."""
     variant = {}
     for item in text.split():
-        name, _, value = item.partition("=")
+        key, _, value = item.partition("=")
+        name, _, rows = key.partition("@")
+        if rows not in ("", "16", "32") or (rows and name not in TILES):
+            raise ValueError(f"{key!r} in {text!r}: only a tile takes @16 or @32")
         if name not in SETTINGS + TILES:
             raise ValueError(f"unknown setting {name!r} in {text!r}: one of {', '.join(SETTINGS + TILES)}")
         numbers = tuple(int(v) for v in value.split(",")) if value else ()
         if len(numbers) != (1 if name in SETTINGS else 3):
             raise ValueError(f"{item!r}: {name} takes {'a number' if name in SETTINGS else 'block_n,block_k,warps'}")
-        variant[name] = numbers[0] if name in SETTINGS else numbers
+        variant[key] = numbers[0] if name in SETTINGS else numbers
     return variant
 
 
@@ -52,7 +57,8 @@ def apply(variant: dict, intermediate_size: int):
     tuned = triton_skinny.plan
 
     def plan(block_m, k, gated, head_dim=0):
-        return variant.get(projection(k, gated, head_dim, intermediate_size)) or tuned(block_m, k, gated, head_dim)
+        name = projection(k, gated, head_dim, intermediate_size)
+        return variant.get(f"{name}@{block_m}") or variant.get(name) or tuned(block_m, k, gated, head_dim)
     triton_skinny.plan = plan
 
 

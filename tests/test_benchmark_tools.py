@@ -27,8 +27,9 @@ def test_step_variants_reads_its_variants_and_names_each_projection():
     import pytest
     from step_variants import parse_variant, projection
     assert parse_variant("") == {}
-    assert parse_variant("split=64  down=32,512,4") == {"split": 64, "down": (32, 512, 4)}
-    for bad in ("spilt=64", "down=32,512", "split=64,1", "qkv"):
+    assert parse_variant("split=64  down=32,512,4 qkv@32=64,128,8") == \
+        {"split": 64, "down": (32, 512, 4), "qkv@32": (64, 128, 8)}
+    for bad in ("spilt=64", "down=32,512", "split=64,1", "qkv", "split@32=64", "qkv@8=64,128,8"):
         with pytest.raises(ValueError, match=bad.split("=")[0]):
             parse_variant(bad)
     assert [projection(k, gated, head_dim, 3072) for k, gated, head_dim in
@@ -45,10 +46,12 @@ def test_step_variants_sets_what_the_engine_reads(monkeypatch):
         monkeypatch.setattr(triton_attention, name, getattr(triton_attention, name))
     monkeypatch.setattr(triton_skinny, "plan", triton_skinny.plan)
     o_proj = triton_skinny.plan(16, 2048, False)
-    apply({"split": 32, "min_split": 96, "down": (16, 256, 4)}, intermediate_size=3072)
+    gate_up = triton_skinny.plan(16, 1024, True)
+    apply({"split": 32, "min_split": 96, "down": (16, 256, 4), "gate_up@32": (64, 256, 8)}, intermediate_size=3072)
     assert (triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE, triton_attention.MIN_SPLIT_TOKENS) == (32, 96)
-    assert triton_skinny.plan(16, 3072, False) == (16, 256, 4)
+    assert triton_skinny.plan(16, 3072, False) == triton_skinny.plan(32, 3072, False) == (16, 256, 4)
     assert triton_skinny.plan(16, 2048, False) == o_proj
+    assert (triton_skinny.plan(16, 1024, True), triton_skinny.plan(32, 1024, True)) == (gate_up, (64, 256, 8))
 
 
 def test_kernel_resources_reads_registers_and_spills_of_an_sm90_compile():
