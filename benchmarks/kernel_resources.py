@@ -40,7 +40,7 @@ def resources(name: str, block_m: int, tile: tuple[int, int, int]) -> str:
                  "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"}
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, NORM=norm, GATED=gated,
                       RESIDUAL=residual, SPLIT=parts > 1,
-                      NORM_PARTS=triton_skinny.norm_parts(parts, block_m) if norm else 1, PDL=True,
+                      NORM_PARTS=triton_skinny.norm_parts(parts, block_m, norm), PDL=True,
                       DOT_PRECISION="tf32", ROPE=rope, NUM_HEADS=NUM_HEADS if rope else 0,
                       NUM_KV_HEADS=NUM_KV_HEADS if rope else 0, QK_NORM=rope, QUANTIZE=False)
     source = ASTSource(triton_skinny._skinny_kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")},

@@ -293,6 +293,7 @@ def test_normed_parts_sum_squares_whole_rows_or_their_own(gated):
     w = torch.randn(2 * n if gated else n, k, generator=gen) / k ** 0.5
     norm_weight = torch.rand(k, generator=gen) + 0.5
     assert [triton_skinny.norm_parts(5, block_m) for block_m in (16, 32)] == [5, 0]
+    assert triton_skinny.norm_parts(5, 32, normed=False) == 1
     for m in (16, 17, 32):
         x = torch.randn(m, k, generator=gen) * 3
         out = fused(x, w, norm_weight=norm_weight, gated=gated, config=(16, 64, 4))
@@ -461,7 +462,7 @@ def test_kernels_compile_for_sm90():
         cases.append(("nanovllm.layers.triton_skinny", "_skinny_kernel", sig,
                       dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, NORM=norm,
                            GATED=gated, RESIDUAL=residual, SPLIT=split,
-                           NORM_PARTS=triton_skinny.norm_parts(4 if split else 1, block_m) if norm else 1, PDL=pdl,
+                           NORM_PARTS=triton_skinny.norm_parts(4 if split else 1, block_m, norm), PDL=pdl,
                            DOT_PRECISION="tf32", **rope),
                       dict(num_warps=8 if rope["ROPE"] else 4, num_stages=1)))
     compile_for_sm90(cases)

@@ -222,10 +222,10 @@ _counters: dict[torch.device, torch.Tensor] = {}
 WHOLE_ROWS_NORM_UP_TO = 16
 
 
-def norm_parts(parts: int, block_m: int) -> int:
-    """The kernel's NORM_PARTS: the parts of K whose squares a program loads (1: K in one part, its own), or 0:
-    its own part's, the last part applying rstd to the sums."""
-    return 1 if parts == 1 else parts if block_m <= WHOLE_ROWS_NORM_UP_TO else 0
+def norm_parts(parts: int, block_m: int, normed: bool = True) -> int:
+    """The kernel's NORM_PARTS: the parts of K whose squares a program loads (1: K in one part, its own, or no
+    norm), or 0: its own part's, the last part applying rstd to the sums."""
+    return 1 if parts == 1 or not normed else parts if block_m <= WHOLE_ROWS_NORM_UP_TO else 0
 
 
 def plan(block_m: int, k: int, gated: bool, head_dim: int = 0) -> tuple[int, int, int]:
@@ -313,7 +313,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         residual.stride(0) if residual is not None else 0, eps, parts, *rope_args, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None, GATED=gated,
         RESIDUAL=residual is not None, SPLIT=split,
-        NORM_PARTS=norm_parts(parts, block_m) if norm is not None else 1,
+        NORM_PARTS=norm_parts(parts, block_m, norm is not None),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ROPE=rope is not None,
         NUM_HEADS=n // head_dim - 2 * num_kv_heads if rope is not None else 0, NUM_KV_HEADS=num_kv_heads,
         QK_NORM=rope is not None and rope.q_weight is not None, QUANTIZE=quantize,
