@@ -165,7 +165,7 @@ def merge_launches(monkeypatch) -> list[tuple[int, int, int]]:
 
     class Spy:
         def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((args[4], args[5], kw["SPLITS"])) or kernel[grid](*args, **kw)
+            return lambda *args, **kw: launches.append((args[5], args[6], kw["SPLITS"])) or kernel[grid](*args, **kw)
     monkeypatch.setattr(triton_attention, "_merge_splits_kernel", Spy())
     return launches
 
@@ -304,11 +304,16 @@ def test_varlen_matches_reference(name, num_heads, num_kv_heads, head_dim, block
     assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("name,num_heads,num_kv_heads,head_dim,block_size,kv_fp8", VARLEN_CASES[:3])
-def test_varlen_through_a_tile_map_matches_reference(name, num_heads, num_kv_heads, head_dim, block_size, kv_fp8):
+@pytest.mark.parametrize("splits,split_seqs", [(1, 16), (3, 16), (3, 2)])
+@pytest.mark.parametrize("name,num_heads,num_kv_heads,head_dim,block_size,kv_fp8", VARLEN_CASES[:3] + VARLEN_CASES[4:])
+def test_varlen_through_a_tile_map_matches_reference(name, num_heads, num_kv_heads, head_dim, block_size, kv_fp8,
+                                                     splits, split_seqs, merge_launches, monkeypatch):
     """As a CUDA graph replays it (`varlen_graphs.py`): a grid of tile-map rows, the step's (sequence, query tile)
-    pairs first and empty rows after, host integers of another step (max_seqlen_q), padding token rows past the
-    step's and padding sequences of no tokens; the real rows match the reference and no other row is written."""
+    pairs and the `splits` splits of each decode among its first `split_seqs` sequences first and empty rows after,
+    host integers of another step (max_seqlen_q), padding token rows past the step's and padding sequences of no
+    tokens; the real rows match the reference and no other row is written. Decodes of 300 and 1,000 keys fill
+    several splits, of 1-17 keys one; with 2 sequences split, the decode case's other 6 take one program each."""
+    monkeypatch.setattr(triton_attention, "VARLEN_SPLIT_SEQS", split_seqs)
     dtype = DTYPES[-1]
     query_lens, contexts = CASES[name]
     q, k, v, caches, meta = make_case(query_lens, contexts, num_heads, num_kv_heads, head_dim, block_size, kv_fp8,
@@ -319,9 +324,11 @@ def test_varlen_through_a_tile_map_matches_reference(name, num_heads, num_kv_hea
     q = torch.cat([q, torch.randn(5, *q.shape[1:], dtype=dtype, device=DEVICE)])  # padding tokens
     cu = torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(2)])  # padding sequences
     query_tile = triton_attention.varlen_query_tile(num_heads // num_kv_heads)
-    rows = triton_attention.max_varlen_tiles(n + 5, len(query_lens) + 2, query_tile)
-    tile_map = torch.from_numpy(triton_attention.varlen_tile_map(np.array(query_lens), query_tile, rows))
+    rows = triton_attention.max_varlen_tiles(n + 5, len(query_lens) + 2, query_tile, splits)
+    tile_map = torch.from_numpy(triton_attention.varlen_tile_map(np.array(query_lens), query_tile, rows, splits,
+                                                                 np.array(contexts)))  # longest first
     meta = dataclasses.replace(meta, cu_seqlens_q=cu, max_seqlen_q=0, tile_map=tile_map.to(DEVICE),
+                               tile_map_splits=splits,
                                block_tables=torch.cat([meta.block_tables, meta.block_tables[:2]]),
                                context_lens=torch.cat([meta.context_lens, meta.context_lens[:2]]))
     out = torch.full_like(q, 7.0)
@@ -329,6 +336,7 @@ def test_varlen_through_a_tile_map_matches_reference(name, num_heads, num_kv_hea
     triton_attention.varlen_attention(q, k, v, *caches, meta, head_dim ** -0.5, *scales, out=out)
     assert_close(out[:n], expected, dtype)
     assert (out[n:] == 7.0).all()
+    assert merge_launches == ([(splits, triton_attention.MIN_SPLIT_TOKENS, splits)] if splits > 1 else [])
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
@@ -591,14 +599,16 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
     """`_attention_kernel` as `decode_attention` or `varlen_attention` launches it for Qwen3-0.6B in bf16 (16 query
     heads over 8 KV heads, head_dim 128, blocks of 256): a compile case for `compile_for_sm90`."""
     tl = triton_attention.tl
-    signature = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", out_ptr="*fp32" if split else "*bf16",
-                     lse_ptr="*fp32" if split else "*bf16",  # unsplit, the output stands in for the unused lse
+    signature = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", out_ptr="*bf16",
+                     partial_ptr="*fp32" if split else "*bf16",  # unsplit, the output stands in for the unused
+                     lse_ptr="*fp32" if split else "*bf16",  # partial and lse
                      block_tables_ptr="*i32", context_lens_ptr="*i32", cu_seqlens_q_ptr="*i32",
                      tile_map_ptr="*i32", order_ptr="*i32", q_token_stride="i32",
                      q_head_stride="i32", kv_token_stride="i32", kv_head_stride="i32", block_table_stride="i32",
                      qk_scale="fp32", v_scale="fp32", min_split_tokens="i32")
     constexprs = dict(NUM_KV_HEADS=8, GROUP=2, GROUP_PAD=2, HEAD_DIM=128, DIM_PAD=128, DECODE=decode, PAGED=paged,
-                      SPLIT=split, TILE_MAP=tile_map, COMPUTE_DTYPE=tl.float16 if cache == "fp8e4nv" else tl.bfloat16,
+                      SPLIT=split, TILE_MAP=tile_map, SPLIT_SEQS=0 if decode else triton_attention.VARLEN_SPLIT_SEQS,
+                      COMPUTE_DTYPE=tl.float16 if cache == "fp8e4nv" else tl.bfloat16,
                       DOT_PRECISION="tf32", PDL=decode or tile_map, ORDER=decode, PREFETCH=0, LINES=1,
                       LINE_ELEMENTS=1)  # as launched on an H200
     if split:
@@ -621,18 +631,23 @@ def test_kernels_compile_for_sm90():
     """The CPU tests run the kernels through Triton's interpreter, which does not type-check them as the compiler
     does (tests/test_triton_rope_store.py had a kernel that passed them and failed to compile on the H200).
     Attention: decode split over a bf16 cache and unsplit over an FP8 one, prefill over an FP8 cache, a
-    warm-up's over its own keys and a graph's through a tile map, the merges of a batch of one's 64 splits and
-    of batch 8's 8; the KV store into both caches."""
+    warm-up's over its own keys and a graph's through a tile map, its decodes split or not; the merges of a batch
+    of one's 64 splits, of batch 8's 8 and of a graph's varlen step; the KV store into both caches."""
     cases = [attention_case("bf16", decode=True, split=True), attention_case("fp8e4nv", decode=True),
              attention_case("fp8e4nv", decode=False), attention_case("bf16", decode=False, paged=False),
-             attention_case("bf16", decode=False, tile_map=True)]
+             attention_case("bf16", decode=False, tile_map=True),
+             attention_case("bf16", decode=False, tile_map=True, split=True)]
     splits = triton_attention.decode_splits(1, 8, 132)
-    merge = dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", context_lens_ptr="*i32", num_splits="i32",
-                 min_split_tokens="i32")
+    merge = dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", context_lens_ptr="*i32",
+                 cu_seqlens_q_ptr="*fp32", num_splits="i32", min_split_tokens="i32")  # (lse for the unused one)
     cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel", merge,
-                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=splits, SPLITS=0, KV_TILE=64, PDL=True)))
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=splits, SPLITS=0, KV_TILE=64, VARLEN=False, PDL=True)))
     cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel", merge,  # batch 8's, one dim a thread
-                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=16, SPLITS=8, KV_TILE=64, PDL=True),
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=16, SPLITS=8, KV_TILE=64, VARLEN=False, PDL=True),
+                  dict(num_warps=4)))
+    splits = triton_attention.VARLEN_DECODE_SPLITS
+    cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel", {**merge, "cu_seqlens_q_ptr": "*i32"},
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=16, SPLITS=splits, KV_TILE=64, VARLEN=True, PDL=True),
                   dict(num_warps=4)))
     for cache in ("bf16", "fp8e4nv"):  # k and v are slices of the qkv projection's [tokens, (16 + 2 * 8) * 128]
         cases.append(("nanovllm.layers.triton_kvstore", "_store_kvcache_kernel", dict(

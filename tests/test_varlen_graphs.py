@@ -26,17 +26,31 @@ from tests.test_piecewise_graphs import Rerun
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(1, 200), min_size=1, max_size=40), st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
-       st.integers(0, 5))
-def test_tile_map_lists_each_tile_once_within_the_bound(query_lens, query_tile, spare):
-    """Every (sequence, tile) of the step once, in order, then empty rows; `max_varlen_tiles` bounds the count for
-    any split of the tokens into that many sequences, so a graph's grid always has a row for each tile."""
-    lens = np.array(query_lens)
-    rows = max_varlen_tiles(int(lens.sum()), len(lens), query_tile) + spare
-    tile_map = varlen_tile_map(lens, query_tile, rows)
-    expected = [(seq, tile) for seq, n in enumerate(query_lens) for tile in range(-(-n // query_tile))]
+@given(st.lists(st.tuples(st.one_of(st.just(1), st.integers(1, 200)), st.integers(0, 3000)), min_size=1, max_size=40),
+       st.sampled_from([1, 2, 4, 8, 16, 32, 64]), st.integers(0, 5), st.sampled_from([1, 3, 4]), st.booleans())
+def test_tile_map_lists_each_tile_once_within_the_bound(seqs, query_tile, spare, splits, by_keys):
+    """Every (sequence, tile x splits) of the step once, and each decode's (sequence, split) for its `splits`
+    splits where it is among the first VARLEN_SPLIT_SEQS sequences, then empty rows: in sequence order, or given
+    the contexts, the programs that read the most keys first; `max_varlen_tiles` bounds the count for any split
+    of the tokens into that many sequences, so a graph's grid always has a row for each program."""
+    query_lens = [n for n, _ in seqs]
+    lens, contexts = np.array(query_lens), np.array([n + prefix for n, prefix in seqs])
+    rows = max_varlen_tiles(int(lens.sum()), len(lens), query_tile, splits) + spare
+    tile_map = varlen_tile_map(lens, query_tile, rows, splits, contexts if by_keys else None)
+    split = [n == 1 and seq < triton_attention.VARLEN_SPLIT_SEQS for seq, n in enumerate(query_lens)]
+    expected = [(seq, s) if split[seq] else (seq, tile * splits) for seq, n in enumerate(query_lens)
+                for tile in range(-(-n // query_tile)) for s in range(splits if split[seq] else 1)]
     assert tile_map.shape == (rows, 2) and tile_map.dtype == np.int32
-    assert [tuple(row) for row in tile_map[:len(expected)].tolist()] == expected
+    listed = [tuple(row) for row in tile_map[:len(expected)].tolist()]
+    if by_keys:
+        def keys(seq, work):  # the keys the program reads, as the kernel cuts them (to within a split's rounding)
+            if split[seq]:
+                return -(-contexts[seq] // splits)
+            return contexts[seq] - query_lens[seq] + min(query_lens[seq], (work // splits + 1) * query_tile)
+        assert sorted(listed) == sorted(expected)
+        assert all(keys(*a) >= keys(*b) for a, b in zip(listed, listed[1:]))
+    else:
+        assert listed == expected
     assert (tile_map[len(expected):] == -1).all()
 
 
@@ -108,9 +122,12 @@ def run_engine(tiny_model, batch, params, graphs: bool, max_tokens: int = 48, ma
 def test_varlen_graph_steps_equal_eager_steps(tiny_model, hf_model, monkeypatch):
     """Prefills, chunks of a long prompt, prefix hits, mixed steps whose decodes read their token from the last
     step's samples on the device (async scheduling), greedy, seeded and logprob rows: token for token the eager
-    steps' outputs, and HF's greedy choices."""
+    steps' outputs, and HF's greedy choices. The graphs of up to 16 tokens split each decode's keys (into up to
+    2 splits of 64 keys here), the larger ones do not."""
     # 4 "SMs": decode steps of 1-3 rows x 2 KV heads split their keys in 2-8 (the interpreter is slow with more)
     monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(triton_attention, "MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(varlen_graphs_module, "VARLEN_SPLIT_TOKENS", 16)
     batch = [list(range(3, 70))] + prompts(4, seed=4)  # the first prompt's first chunk is larger than every graph
     batch.append(batch[0][:32] + [7, 8])  # a prefix hit of two blocks, once the first prompt is cached
     params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True, logprobs=1 if i == 2 else None)
@@ -125,7 +142,8 @@ def test_varlen_graph_steps_equal_eager_steps(tiny_model, hf_model, monkeypatch)
     graphed = [(n, seqs, decodes) for n, seqs, decodes, graph in steps if graph]
     assert all(graph == (n <= 48) for n, *_, graph in steps), steps  # every step that fits, and only those
     assert any(n not in (8, 16, 24, 32, 48) for n, _, _ in graphed)  # padded steps
-    assert any(decodes > 0 for *_, decodes in graphed)  # mixed steps among them
+    assert any(decodes > 0 and n <= 16 for n, _, decodes in graphed)  # mixed steps among them, split
+    assert any(decodes > 0 and 16 < n for n, _, decodes in graphed)  # and not
     assert any(n > 48 for n, *_ in steps)  # and steps larger than every graph
     for i in (0, 1, 2, 4, 5):
         assert_greedy_matches_hf(hf_model, batch[i], got[i]["token_ids"])

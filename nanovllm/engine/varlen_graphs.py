@@ -6,8 +6,8 @@ GPU work is about 2 ms (`benchmarks/profile_mixed.py`). Here the whole forward o
 and `max_seqs` sequences is one graph per token count of `graph_sizes`, replayed over static buffers that one
 host-to-device copy fills, like the decode graphs'; the LM head and the sampler run after it, eagerly, on the
 rows that sample. The varlen kernel's grid, which follows the step's shape, is fixed here: its programs take the
-rows of a tile map instead, each a (sequence, tile of its queries), and the rows past the step's tiles return at
-once (`triton_attention.varlen_tile_map`).
+rows of a tile map instead, each a (sequence, tile of its queries) or a (decode, split of its keys), and the rows
+past the step's return at once (`triton_attention.varlen_tile_map`); a second kernel merges the decodes' splits.
 
 A step takes the smallest size >= its token count. Its padding tokens (id 0, position 0, slot -1) flow through
 the rows of the linear layers, which are independent, and store nothing; no tile reads them. Padding sequences
@@ -23,7 +23,8 @@ from nanovllm.engine.piecewise_graphs import capture_cuda_graph, token_counts
 from nanovllm.engine.staging import Staging, StaticInputs
 from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.layers.attention import AttentionMetadata
-from nanovllm.layers.triton_attention import max_varlen_tiles, splits_decodes, varlen_query_tile, varlen_tile_map
+from nanovllm.layers.triton_attention import (VARLEN_DECODE_SPLITS, VARLEN_SPLIT_TOKENS, max_varlen_tiles,
+                                             splits_decodes, varlen_query_tile, varlen_tile_map)
 
 MAX_SEQS = 64  # sequences in a step: each adds a row to every layer's grid, which costs even when it returns
 FINE_FROM, FINE_STEP = 256, 128  # above FINE_FROM tokens, a size every FINE_STEP tokens
@@ -59,7 +60,7 @@ class VarlenGraphs:
             ("input_ids", np.int64, (n,)), ("positions", np.int64, (n,)), ("slot_mapping", np.int64, (n,)),
             ("pending_rows", np.int64, (n,)), ("cu_seqlens_q", np.int32, (seqs + 1,)),
             ("context_lens", np.int32, (seqs,)), ("logits_indices", np.int64, (seqs,)),
-            ("temperatures", np.float32, (seqs,)), ("tile_map", np.int32, (self.tiles(n), 2)),
+            ("temperatures", np.float32, (seqs,)), ("tile_map", np.int32, (max(map(self.tiles, self.sizes)), 2)),
             ("block_tables", np.int32, (seqs, max_blocks))], device)
         v = self.inputs.vars
         v["slot_mapping"].fill_(-1)
@@ -80,7 +81,12 @@ class VarlenGraphs:
         return min(self.max_seqs, size)
 
     def tiles(self, size: int) -> int:
-        return max_varlen_tiles(size, self.seqs(size), self.query_tile)
+        return max_varlen_tiles(size, self.seqs(size), self.query_tile, self.splits(size))
+
+    @staticmethod
+    def splits(size: int) -> int:
+        """The programs of each decode in a step of `size` tokens (after padding), one a split of its keys."""
+        return VARLEN_DECODE_SPLITS if size <= VARLEN_SPLIT_TOKENS else 1
 
     def _forward(self, size: int):
         v, seqs = self.inputs.vars, self.seqs(size)
@@ -88,7 +94,7 @@ class VarlenGraphs:
         meta = AttentionMetadata(slot_mapping=v["slot_mapping"][:size], block_tables=v["block_tables"][:seqs],
                                  context_lens=v["context_lens"][:seqs], cu_seqlens_q=v["cu_seqlens_q"][:seqs + 1],
                                  max_seqlen_q=size, max_seqlen_k=self.max_model_len,
-                                 tile_map=v["tile_map"][:self.tiles(size)])
+                                 tile_map=v["tile_map"][:self.tiles(size)], tile_map_splits=self.splits(size))
         self.hidden_states[:size] = self.model(input_ids, v["positions"][:size], meta)
 
     def fits(self, inputs: StepInputs) -> bool:
@@ -113,7 +119,8 @@ class VarlenGraphs:
         host["logits_indices"][:num_samples] = inputs.logits_indices
         if temperatures is not None:
             host["temperatures"][:num_samples] = temperatures
-        host["tile_map"][:tiles] = varlen_tile_map(inputs.query_lens, self.query_tile, tiles)
+        host["tile_map"][:tiles] = varlen_tile_map(inputs.query_lens, self.query_tile, tiles, self.splits(size),
+                                                   inputs.context_lens)
         host["block_tables"][:num_seqs, :inputs.block_tables.shape[1]] = inputs.block_tables  # (the kernel reads
         # no entry past a sequence's last block, so stale ones after it stay)
         self.inputs.send(staging, num_seqs)  # of the block tables, the real sequences' rows

@@ -35,6 +35,7 @@ class AttentionMetadata:
     # [programs, 2] int32 (sequence, query tile) of each program of a varlen step captured in a CUDA graph, whose
     # grid cannot follow the step's shape (`triton_attention.varlen_tile_map`); None: the grid follows the step
     tile_map: torch.Tensor | None = None
+    tile_map_splits: int = 1  # the programs that the tile map gives each decode (one a split of its keys)
     # [num_seqs] int32, a decode-only step's rows longest context first: the order in which the Triton decode
     # kernel's programs go out (`triton_attention.decode_attention`); None: batch order
     decode_order: torch.Tensor | None = None

@@ -62,6 +62,17 @@ PER_THREAD_SPLITS = 32
 # -> 8.611 ms with 2) keep their bandwidth for the previous kernel. NANOVLLM_KV_PREFETCH overrides it
 KV_PREFETCH_TILES = int(os.environ.get("NANOVLLM_KV_PREFETCH", 2))
 QUERY_ROWS = 64  # varlen: query rows (tokens x heads of one KV head) per program
+# a varlen step of up to VARLEN_SPLIT_TOKENS tokens in a CUDA graph (`varlen_graphs.py`) splits the keys of each
+# decode among its first VARLEN_SPLIT_SEQS sequences into this many chunks (of MIN_SPLIT_TOKENS at least), merged
+# by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
+# H200, 6 decodes of ~600 keys beside a prompt of 256 tokens (a graph of 384): the attention took 24.0 -> 13.7 us a
+# layer, the step's kernels 2.06 -> 1.95 ms summed (the merge's wait for the attention counted in it); beside one of
+# 1,024 (a graph of 1,152) the step was slower in 2 of 3 runs. The grid has
+# room for every split of every sequence that may take them, and a program of an empty row still costs its start.
+# NANOVLLM_VARLEN_SPLITS overrides it (1: unsplit)
+VARLEN_DECODE_SPLITS = int(os.environ.get("NANOVLLM_VARLEN_SPLITS", 4))
+VARLEN_SPLIT_SEQS = 16
+VARLEN_SPLIT_TOKENS = 384
 # a mixed step with at least this many leading decodes attends them with the decode kernel (0: never);
 # NANOVLLM_SPLIT_DECODES overrides it, for comparison
 SPLIT_DECODES = int(os.environ.get("NANOVLLM_SPLIT_DECODES", 32))
@@ -86,15 +97,16 @@ if triton is not None:
                 do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr",
                                                 "tile_map_ptr", "order_ptr"])
     def _attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr, tile_map_ptr,
-        order_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, partial_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
+        tile_map_ptr, order_ptr,
         q_token_stride, q_head_stride, kv_token_stride, kv_head_stride, block_table_stride,
         qk_scale, v_scale, num_splits, min_split_tokens,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_TILE: tl.constexpr,
         ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, KV_TILE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
-        TILE_MAP: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-        ORDER: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
+        TILE_MAP: tl.constexpr, SPLIT_SEQS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr, ORDER: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
+        LINE_ELEMENTS: tl.constexpr,
     ):
         # (`triton_skinny`): the step's metadata is the host's, which no kernel writes: read it while the previous
         # kernel ends; q and this step's keys are the previous kernels', read after the wait
@@ -105,10 +117,12 @@ if triton is not None:
             seq, kv_head = tl.program_id(2), tl.program_id(1)  # order (longest first) where there is one
             if ORDER:
                 seq = tl.load(order_ptr + seq)
-        q_tile, split = work // num_splits, work % num_splits
-        if TILE_MAP:  # varlen in a CUDA graph: program `work` takes the (sequence, query tile) of the map's row
+        if TILE_MAP:  # varlen in a CUDA graph: program `work` takes the (sequence, tile x splits + split) of its row
             seq = tl.load(tile_map_ptr + 2 * work)
-            q_tile = tl.load(tile_map_ptr + 2 * work + 1)
+            if seq < 0:
+                return  # a row past the step's programs (the step's own programs wait for the kernel before)
+            work = tl.load(tile_map_ptr + 2 * work + 1)
+        q_tile, split = work // num_splits, work % num_splits
         row_seq = tl.maximum(seq, 0)  # a map row past the step's tiles (-1) reads sequence 0's and ends below
         if DECODE:
             q_begin, query_len = seq, 1
@@ -119,9 +133,10 @@ if triton is not None:
             context_len = tl.load(context_lens_ptr + row_seq)
         else:  # the keys are this step's own tokens
             context_len = query_len
-        # keys up to this tile's last query, cut into num_splits chunks of whole tiles
+        # keys up to this tile's last query, cut into num_splits chunks of whole tiles (varlen: a decode's only)
         key_end = tl.minimum(context_len, context_len - query_len + (q_tile + 1) * QUERY_TILE)
-        chunk = _split_chunk(key_end, num_splits, min_split_tokens, KV_TILE)
+        seq_splits = num_splits if DECODE else tl.where((query_len == 1) & (row_seq < SPLIT_SEQS), num_splits, 1)
+        chunk = _split_chunk(key_end, seq_splits, min_split_tokens, KV_TILE)
         key_begin = split * chunk
         key_end = tl.minimum(key_end, key_begin + chunk)
         if SPLIT:
@@ -182,9 +197,13 @@ if triton is not None:
         out = acc * (v_scale / tl.where(seen, l, 1.0))[:, None]
         out_row = (q_begin + token).to(tl.int64) * (NUM_KV_HEADS * GROUP) + head
         out_mask = row_valid[:, None] & dim_valid[None, :]
+        partial_out = SPLIT  # its split's output and log-sum-exp, for the merge: decode's, and a varlen step's decodes
         if SPLIT:
-            split_row = out_row * num_splits + split
-            tl.store(out_ptr + split_row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
+            if not DECODE:
+                partial_out = (query_len == 1) & (row_seq < SPLIT_SEQS)
+        if partial_out:  # rows of (sequence, head, split)
+            split_row = (row_seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * num_splits + split
+            tl.store(partial_ptr + split_row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
             lse = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))  # -inf: an empty split
             tl.store(lse_ptr + split_row, lse, mask=row_valid)
         else:
@@ -192,21 +211,32 @@ if triton is not None:
                      mask=out_mask)
 
     @triton.jit
-    def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, num_splits, min_split_tokens,
-                             HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                             SPLITS: tl.constexpr, KV_TILE: tl.constexpr, PDL: tl.constexpr):
-        """One (token, head) a program. SPLITS (num_splits, up to PER_THREAD_SPLITS; else 0): one dim a thread,
-        each thread reads every split's lse (one address across the warp) and its dim of every split's output, all
-        at once (the splits unrolled), and weighs them itself, so no value crosses threads. Else a tile of the
-        splits across the threads, reduced across them (fewer instructions a thread). KV_TILE (the decode
-        kernel's): only the splits that the token's context fills were written (`_split_chunk`); else all."""
+    def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, cu_seqlens_q_ptr, num_splits,
+                             min_split_tokens, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                             SPLITS_PAD: tl.constexpr, SPLITS: tl.constexpr, KV_TILE: tl.constexpr,
+                             VARLEN: tl.constexpr, PDL: tl.constexpr):
+        """One (token, head) a program; VARLEN: one (sequence, head) of a varlen step, which merges only a
+        sequence of one query token (the attention kernel split only those) into that token's row. SPLITS
+        (num_splits, up to PER_THREAD_SPLITS; else 0): one dim a thread, each thread reads every split's lse (one
+        address across the warp) and its dim of every split's output, all at once (the splits unrolled), and weighs
+        them itself, so no value crosses threads. Else a tile of the splits across the threads, reduced across them
+        (fewer instructions a thread). KV_TILE (the decode kernel's): only the splits that the token's context
+        fills were written (`_split_chunk`); else all."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # token * num_heads + head
+        out_row = row
         if KV_TILE:  # the context is the host's: loaded before the wait, used after it (not to hold the wait up)
             context_len = tl.load(context_lens_ptr + tl.program_id(0))
-        if PDL:
+        if VARLEN:
+            q_begin = tl.load(cu_seqlens_q_ptr + tl.program_id(0))
+            query_len = tl.load(cu_seqlens_q_ptr + tl.program_id(0) + 1) - q_begin
+            out_row = q_begin.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        if PDL:  # every program waits, so that the kernel ends after the attention (whose prompt rows come next)
             tl.extra.cuda.gdc_wait()
+        if VARLEN:
+            if query_len != 1:
+                return
         used = num_splits
         if KV_TILE:
             used = tl.maximum(tl.cdiv(context_len, _split_chunk(context_len, num_splits, min_split_tokens, KV_TILE)),
@@ -235,7 +265,7 @@ if triton is not None:
             total = tl.sum(weight, 0)
             out = tl.sum(weight[:, None] * partial, 0)
         out = out / tl.where(total > 0, total, 1.0)
-        tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+        tl.store(out_ptr + out_row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kv_itemsize: int = 2) -> int:
@@ -322,12 +352,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     line = 128 // k_cache.element_size()  # elements of a 128-byte line
     prefetch = KV_PREFETCH_TILES if pdl["PDL"] and split else 0  # (the interpreter runs no PTX)
     _attention_kernel[(num_splits, kv_heads, batch)](
-        q, k_cache, v_cache, partial, lse, block_tables, context_lens, context_lens, context_lens,
+        q, k_cache, v_cache, out, partial, lse, block_tables, context_lens, context_lens, context_lens,
         order if order is not None else context_lens,
         q.stride(0), q.stride(1), kv_heads * head_dim, head_dim, block_tables.stride(0),
         num_splits=num_splits, min_split_tokens=min_split_tokens, QUERY_TILE=1, ROWS=rows, KV_TILE=tile,
-        BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, TILE_MAP=False, ORDER=order is not None,
-        PREFETCH=prefetch, LINES=max(1, args["DIM_PAD"] // line), LINE_ELEMENTS=line,
+        BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, TILE_MAP=False, SPLIT_SEQS=0,
+        ORDER=order is not None, PREFETCH=prefetch, LINES=max(1, args["DIM_PAD"] // line), LINE_ELEMENTS=line,
         num_warps=warps, num_stages=stages, **args, **pdl)
     if split:
         merge_splits(partial, lse, out, (context_lens, min_split_tokens, tile))
@@ -335,18 +365,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
-                 written: tuple[torch.Tensor, int, int] | None = None):
+                 written: tuple[torch.Tensor, int, int] | None = None, cu_seqlens_q: torch.Tensor | None = None):
     """out [tokens, heads, head_dim] = the splits' outputs (partial [tokens, heads, splits, head_dim] float32, each
     normalised over its keys) weighted by exp2(lse [tokens, heads, splits]), over the sum of the weights.
     `written`: (context_lens, min_split_tokens, kv_tile) of the decode kernel that wrote them, which leaves the
-    splits past each token's context unwritten; None: every split was written."""
+    splits past each token's context unwritten; None: every split was written. `cu_seqlens_q`: partial's rows are
+    a varlen step's sequences, of which only those of one query token are merged, into out's row of that token."""
     tokens, heads, splits, head_dim = partial.shape
     dim_pad = _dim_pad(head_dim)
     per_thread = splits <= PER_THREAD_SPLITS
     context_lens, min_split_tokens, kv_tile = written or (lse, 0, 0)
     _merge_splits_kernel[(tokens, heads)](
-        partial, lse, out, context_lens, splits, min_split_tokens, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        SPLITS_PAD=max(16, triton.next_power_of_2(splits)), SPLITS=splits if per_thread else 0, KV_TILE=kv_tile,
+        partial, lse, out, context_lens, cu_seqlens_q if cu_seqlens_q is not None else lse, splits,
+        min_split_tokens, HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=max(16, triton.next_power_of_2(splits)),
+        SPLITS=splits if per_thread else 0, KV_TILE=kv_tile, VARLEN=cu_seqlens_q is not None,
         num_warps=max(1, min(8, dim_pad // 32)) if per_thread else 4, **pdl_args(partial.device))
 
 
@@ -378,19 +410,29 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     query_tile = varlen_query_tile(num_heads // kv_heads)
     rows = query_tile * args["GROUP_PAD"]
     tile = 64 if head_dim <= 128 else 32
-    tile_map = meta.tile_map
+    tile_map, splits = meta.tile_map, meta.tile_map_splits if paged else 1
     if tile_map is None:
         grid = (triton.cdiv(meta.max_seqlen_q, query_tile), meta.cu_seqlens_q.numel() - 1, kv_heads)
+        assert splits == 1
     else:
         assert tile_map.is_contiguous() and tile_map.shape[1] == 2
         grid = (tile_map.size(0), 1, kv_heads)
+    partial = lse = out
+    if splits > 1:  # a decode's splits, by sequence (padding sequences included: they write nothing)
+        seqs = meta.cu_seqlens_q.numel() - 1
+        seqs = min(seqs, VARLEN_SPLIT_SEQS)
+        partial = torch.empty(seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     _attention_kernel[grid](
-        q, keys, values, out, out, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+        q, keys, values, out, partial, lse, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
         meta.cu_seqlens_q if tile_map is None else tile_map, meta.cu_seqlens_q,  # (the order: unused)
         q.stride(0), q.stride(1), token_stride, head_stride, meta.block_tables.stride(0),
-        num_splits=1, min_split_tokens=0, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile, BLOCK_SIZE=block_size,
-        DECODE=False, PAGED=paged, SPLIT=False, TILE_MAP=tile_map is not None, ORDER=False, PREFETCH=0, LINES=1,
-        LINE_ELEMENTS=1, num_warps=4, num_stages=2, **args, **pdl_args(q.device))
+        num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile,
+        BLOCK_SIZE=block_size, DECODE=False, PAGED=paged, SPLIT=splits > 1, TILE_MAP=tile_map is not None,
+        SPLIT_SEQS=VARLEN_SPLIT_SEQS,
+        ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1, num_warps=4, num_stages=2, **args, **pdl_args(q.device))
+    if splits > 1:
+        merge_splits(partial, lse, out, (meta.context_lens, MIN_SPLIT_TOKENS, tile), meta.cu_seqlens_q)
     return out
 
 
@@ -400,22 +442,38 @@ def varlen_query_tile(group: int) -> int:
     return max(QUERY_ROWS, group_pad) // group_pad
 
 
-def varlen_tile_map(query_lens: np.ndarray, query_tile: int, rows: int) -> np.ndarray:
-    """int32 [rows, 2]: the (sequence, query tile) that each program of a graph-captured varlen step takes, the
-    step's tiles first and (-1, -1) after them; `rows` is at least `max_varlen_tiles` of the step's shape."""
-    tiles = -(-query_lens // query_tile)
+def varlen_tile_map(query_lens: np.ndarray, query_tile: int, rows: int, splits: int = 1,
+                    context_lens: np.ndarray | None = None) -> np.ndarray:
+    """int32 [rows, 2]: the (sequence, query tile x splits + split) that each program of a graph-captured varlen
+    step takes, the step's first and (-1, -1) after them; `rows` is at least `max_varlen_tiles` of the step's
+    shape. A decode (one query token) among the first VARLEN_SPLIT_SEQS sequences has `splits` programs, one a
+    split of its keys; any other sequence one a query tile (split 0). With `context_lens`, the programs that read
+    the most keys come first (when they outnumber what the GPU runs at once, the short ones wait, not the long
+    ones); else in sequence order."""
+    decode = (query_lens == 1) & (np.arange(len(query_lens)) < VARLEN_SPLIT_SEQS)
+    tiles = np.where(decode, splits, -(-query_lens // query_tile))
     seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), tiles)
     assert len(seq) <= rows, (len(seq), rows)
+    index = np.arange(len(seq)) - np.repeat(np.cumsum(tiles) - tiles, tiles)  # of the sequence's programs
+    split = np.repeat(decode, tiles)
+    work = np.where(split, index, index * splits)
+    if context_lens is not None:  # keys read: up to the tile's last query, a split's share of a decode's
+        context, query_len = context_lens[seq], query_lens[seq]
+        keys = np.where(split, -(-context // splits),
+                        context - query_len + np.minimum(query_len, (index + 1) * query_tile))
+        order = np.argsort(-keys, kind="stable")
+        seq, work = seq[order], work[order]
     out = np.full((rows, 2), -1, dtype=np.int32)
     out[:len(seq), 0] = seq
-    out[:len(seq), 1] = np.arange(len(seq)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    out[:len(seq), 1] = work
     return out
 
 
-def max_varlen_tiles(num_tokens: int, num_seqs: int, query_tile: int) -> int:
-    """The most query tiles that num_seqs sequences of num_tokens tokens in all can have: each sequence's last
-    tile may be partial."""
-    return num_tokens // query_tile + min(num_seqs, num_tokens)
+def max_varlen_tiles(num_tokens: int, num_seqs: int, query_tile: int, splits: int = 1) -> int:
+    """The most programs that `varlen_tile_map` gives num_seqs sequences of num_tokens tokens in all: each
+    sequence's last tile may be partial, and a decode among the first VARLEN_SPLIT_SEQS has `splits`."""
+    seqs = min(num_seqs, num_tokens)
+    return num_tokens // query_tile + seqs + min(seqs, VARLEN_SPLIT_SEQS) * (splits - 1)
 
 
 def splits_decodes(num_decodes: int, num_seqs: int) -> bool:
