@@ -158,7 +158,7 @@ def main():
     print("| steps | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | output tok/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, t50, t99, i50, i99, tps in rows:
-        print(f"| {name} | {t50 * 1e3:.0f} ms | {t99 * 1e3:.0f} ms | {i50 * 1e3:.1f} ms | {i99 * 1e3:.1f} ms | {tps:.0f} |")
+        print(f"| {name} | {t50 * 1e3:.1f} ms | {t99 * 1e3:.1f} ms | {i50 * 1e3:.1f} ms | {i99 * 1e3:.1f} ms | {tps:.0f} |")
     print("\n".join(notes))
 
 
