@@ -20,8 +20,9 @@ normalised output and log-sum-exp in float32; a second kernel merges them. A spl
 its dependent-launch wait and writes nothing (the merge counts the filled splits from the context too); the
 others ask L2 for their first keys before it (`KV_PREFETCH_TILES`). No host value changes per step.
 
-The varlen path is the same kernel with tiles of queries and no split; before the cache exists (a warm-up
-run) it reads this step's own keys and values instead of the cache. A mixed step that leads with many decodes
+The varlen path is the same kernel with tiles of queries; in a CUDA graph (a tile map), a decode among them also
+has programs of splits of its keys, merged by the second kernel. Before the cache exists (a warm-up run) it reads
+this step's own keys and values instead of the cache. A mixed step that leads with many decodes
 (`split_decodes`) gives them to the decode kernel, which reads their keys at copy bandwidth where the varlen
 path, built for tiles of queries, does not; its prompts take the varlen path.
 """
@@ -67,9 +68,9 @@ QUERY_ROWS = 64  # varlen: query rows (tokens x heads of one KV head) per progra
 # by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
 # H200, 6 decodes of ~600 keys beside a prompt of 256 tokens (a graph of 384): the attention took 24.0 -> 13.7 us a
 # layer, the step's kernels 2.06 -> 1.95 ms summed (the merge's wait for the attention counted in it); beside one of
-# 1,024 (a graph of 1,152) the step was slower in 2 of 3 runs. The grid has
-# room for every split of every sequence that may take them, and a program of an empty row still costs its start.
-# NANOVLLM_VARLEN_SPLITS overrides it (1: unsplit)
+# 1,024 (a graph of 1,152) the step was slower in 2 of 3 runs. The grid has room for every split of every sequence
+# that may take them, and a program of an empty row still costs its start. NANOVLLM_VARLEN_SPLITS overrides it (1:
+# unsplit)
 VARLEN_DECODE_SPLITS = int(os.environ.get("NANOVLLM_VARLEN_SPLITS", 4))
 VARLEN_SPLIT_SEQS = 16
 VARLEN_SPLIT_TOKENS = 384
@@ -387,7 +388,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Any batch (prefill, prefix, decode, mixed): q [num_tokens, num_heads, head_dim]; causal, aligned to the end
     of each context. With an empty cache (warm-up) it attends over this step's k and v instead. Writes only the
-    rows of the sequences in `meta` (whose cu_seqlens_q index q's rows), into `out` when given."""
+    rows of the sequences in `meta` (whose cu_seqlens_q index q's rows), into `out` when given. Through a tile map
+    of `meta.tile_map_splits` programs a decode, the decodes' splits are merged by a second kernel."""
     _check_triton()
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.size(1)
@@ -419,8 +421,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         grid = (tile_map.size(0), 1, kv_heads)
     partial = lse = out
     if splits > 1:  # a decode's splits, by sequence (padding sequences included: they write nothing)
-        seqs = meta.cu_seqlens_q.numel() - 1
-        seqs = min(seqs, VARLEN_SPLIT_SEQS)
+        seqs = min(meta.cu_seqlens_q.numel() - 1, VARLEN_SPLIT_SEQS)
         partial = torch.empty(seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     _attention_kernel[grid](
@@ -429,8 +430,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         q.stride(0), q.stride(1), token_stride, head_stride, meta.block_tables.stride(0),
         num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=False, PAGED=paged, SPLIT=splits > 1, TILE_MAP=tile_map is not None,
-        SPLIT_SEQS=VARLEN_SPLIT_SEQS,
-        ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1, num_warps=4, num_stages=2, **args, **pdl_args(q.device))
+        SPLIT_SEQS=VARLEN_SPLIT_SEQS, ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1, num_warps=4, num_stages=2,
+        **args, **pdl_args(q.device))
     if splits > 1:
         merge_splits(partial, lse, out, (meta.context_lens, MIN_SPLIT_TOKENS, tile), meta.cu_seqlens_q)
     return out
