@@ -1,6 +1,8 @@
 """Where a mixed step's time goes on CUDA: `--decodes` sequences decode while one prompt of each `--prompt-lens`
 arrives; for each length, the wall time of the step that prefills it beside the decodes (async scheduling off,
-so a step's time is its own), of a decode-only step, and of the same prompt prefilled alone. Then, for the
+so a step's time is its own), of a decode-only step, and of the same prompt prefilled alone, and the GPU time of
+such a mixed step and of its attention (on CUDA; what the kernels add to the critical path, since under dependent
+launch a kernel starts while the one before it ends, so the profiler's durations overlap). Then, for the
 longest prompt, the GPU's busy time per mixed step (torch.profiler) and the host functions that took longest
 (cProfile): a step whose wall time is far above its busy time is bound by the host.
 
@@ -16,6 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from profile_decode import chain  # (this folder: python puts a script's own folder on the path)
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
@@ -59,8 +62,9 @@ def main():
     for _ in range(3):
         llm.step()  # the prefill, then decodes
     print(f"{args.decodes} decodes of ~{args.context} tokens; ms per step, median of {args.reps}")
-    print("| prompt tokens | mixed step | decode-only step | prefill alone |")
-    print("| ---: | ---: | ---: | ---: |")
+    print("| prompt tokens | mixed step | decode-only step | prefill alone | mixed step: GPU | its attention, "
+          "us a layer |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in args.prompt_lens:
         mixed, decode = [], []
         for _ in range(args.reps):
@@ -68,8 +72,10 @@ def main():
             mixed.append(timed_step(llm))
             decode.append(timed_step(llm))
         # the same prompt alone: a scratch engine would recompile, so pause the decodes instead
+        alone = prefill_alone(llm, n, once, args.reps, prompt)
+        gpu, attention = gpu_time(llm, n, once, args.reps, prompt)
         print(f"| {n} | {statistics.median(mixed) * 1e3:.2f} | {statistics.median(decode) * 1e3:.2f} | "
-              f"{prefill_alone(llm, n, once, args.reps, prompt):.2f} |")
+              f"{alone:.2f} | {gpu:.2f} | {attention:.1f} |")
 
     if args.trace:
         for n in args.prompt_lens:
@@ -96,6 +102,22 @@ def main():
         timed_step(llm)
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+ATTENTION_KERNELS = ("_attention_kernel", "_merge_splits_kernel", "flash")  # Triton's two, flash-attn-4's
+
+
+def gpu_time(llm: LLM, n: int, params, reps: int, prompt) -> tuple[float, float]:
+    """ms of GPU time per mixed step of an n-token prompt beside the decodes, and us per layer of its attention
+    kernels: what they add to the critical path (`profile_decode.chain`; 0 without CUDA)."""
+    with profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            llm.add_request(prompt(n), params)
+            timed_step(llm)
+    rows = chain([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA], reps)
+    attention = sum(us for name, _, us in rows if any(k in name for k in ATTENTION_KERNELS))
+    return sum(us for *_, us in rows) / 1e3, attention / len(llm.model_runner.attn_layers)
 
 
 def prefill_alone(llm: LLM, n: int, params, reps: int, prompt) -> float:
