@@ -80,12 +80,19 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 def run_engine(tiny_model, batch, params, graphs: bool, max_tokens: int = 48, max_num_seqs: int = 3):
     """The engine on the Triton backend (interpreted), with varlen graphs of up to max_tokens or without; returns
-    the outputs and, for each step that was not decode-only, (tokens, sequences, leading decodes, whether it
-    replayed a graph)."""
-    steps = []
+    the outputs and, for each step that was not decode-only, (tokens, sequences, leading decodes, merges of a
+    varlen step's split decodes, whether it replayed a graph)."""
+    steps, merges = [], []
+    merge_splits = triton_attention.merge_splits
+
+    def counted_merge(*args, cu_seqlens_q=None, **kwargs):
+        merges.extend([1] if cu_seqlens_q is not None else [])
+        return merge_splits(*args, cu_seqlens_q=cu_seqlens_q, **kwargs)
     # few sequences at a time: prompts start as others finish, beside their decodes
-    with LLM(tiny_model, kvcache_block_size=16, max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
-             num_kvcache_blocks=40) as llm:
+    with pytest.MonkeyPatch.context() as patch, LLM(
+            tiny_model, kvcache_block_size=16, max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
+            num_kvcache_blocks=40) as llm:
+        patch.setattr(triton_attention, "merge_splits", counted_merge)
         runner, config = llm.model_runner, llm.config
         backend = object.__new__(triton_attention.TritonBackend)  # its __init__ insists on CUDA
         runner.backend = backend
@@ -111,8 +118,10 @@ def run_engine(tiny_model, batch, params, graphs: bool, max_tokens: int = 48, ma
         run_step = runner.run_step
 
         def recorded_run_step(inputs, *args):
-            steps.append([len(inputs.input_ids), inputs.num_seqs, inputs.num_leading_decodes, False])
-            return run_step(inputs, *args)
+            steps.append([len(inputs.input_ids), inputs.num_seqs, inputs.num_leading_decodes, len(merges), False])
+            result = run_step(inputs, *args)
+            steps[-1][3] = len(merges) - steps[-1][3]
+            return result
         runner.run_step = recorded_run_step
         outputs = llm.generate(batch, params, use_tqdm=False)
     return outputs, [step for step in steps if step[0] > step[1]]  # not decode-only
@@ -122,12 +131,12 @@ def run_engine(tiny_model, batch, params, graphs: bool, max_tokens: int = 48, ma
 def test_varlen_graph_steps_equal_eager_steps(tiny_model, hf_model, monkeypatch):
     """Prefills, chunks of a long prompt, prefix hits, mixed steps whose decodes read their token from the last
     step's samples on the device (async scheduling), greedy, seeded and logprob rows: token for token the eager
-    steps' outputs, and HF's greedy choices. The graphs of up to 16 tokens split each decode's keys (into up to
+    steps' outputs, and HF's greedy choices. The graphs of up to 8 tokens split each decode's keys (into up to
     2 splits of 64 keys here), the larger ones do not."""
     # 4 "SMs": decode steps of 1-3 rows x 2 KV heads split their keys in 2-8 (the interpreter is slow with more)
     monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)
     monkeypatch.setattr(triton_attention, "MIN_SPLIT_TOKENS", 16)
-    monkeypatch.setattr(varlen_graphs_module, "VARLEN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(varlen_graphs_module, "VARLEN_SPLIT_TOKENS", 8)
     batch = [list(range(3, 70))] + prompts(4, seed=4)  # the first prompt's first chunk is larger than every graph
     batch.append(batch[0][:32] + [7, 8])  # a prefix hit of two blocks, once the first prompt is cached
     params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True, logprobs=1 if i == 2 else None)
@@ -139,11 +148,12 @@ def test_varlen_graph_steps_equal_eager_steps(tiny_model, hf_model, monkeypatch)
     for g, e in zip(got[2]["logprobs"], expected[2]["logprobs"], strict=True):
         assert g.keys() == e.keys() and all(abs(g[t] - e[t]) < 1e-5 for t in g)
     assert any(o["num_cached_tokens"] > 0 for o in got)
-    graphed = [(n, seqs, decodes) for n, seqs, decodes, graph in steps if graph]
+    graphed = [(n, seqs, decodes, merges) for n, seqs, decodes, merges, graph in steps if graph]
     assert all(graph == (n <= 48) for n, *_, graph in steps), steps  # every step that fits, and only those
-    assert any(n not in (8, 16, 24, 32, 48) for n, _, _ in graphed)  # padded steps
-    assert any(decodes > 0 and n <= 16 for n, _, decodes in graphed)  # mixed steps among them, split
-    assert any(decodes > 0 and 16 < n for n, _, decodes in graphed)  # and not
+    assert any(n not in (8, 16, 24, 32, 48) for n, *_ in graphed)  # padded steps
+    assert any(decodes > 0 and n <= 8 for n, _, decodes, _ in graphed)  # mixed steps among them, split
+    assert any(decodes > 0 and 8 < n for n, _, decodes, _ in graphed)  # and not
+    assert all((merges > 0) == (n <= 8) for n, _, decodes, merges in graphed if decodes), graphed
     assert any(n > 48 for n, *_ in steps)  # and steps larger than every graph
     for i in (0, 1, 2, 4, 5):
         assert_greedy_matches_hf(hf_model, batch[i], got[i]["token_ids"])

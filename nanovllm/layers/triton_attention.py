@@ -433,7 +433,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         SPLIT_SEQS=VARLEN_SPLIT_SEQS, ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1, num_warps=4, num_stages=2,
         **args, **pdl_args(q.device))
     if splits > 1:
-        merge_splits(partial, lse, out, (meta.context_lens, MIN_SPLIT_TOKENS, tile), meta.cu_seqlens_q)
+        merge_splits(partial, lse, out, (meta.context_lens, MIN_SPLIT_TOKENS, tile), cu_seqlens_q=meta.cu_seqlens_q)
     return out
 
 
