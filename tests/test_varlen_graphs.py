@@ -86,7 +86,8 @@ def run_engine(tiny_model, batch, params, graphs: bool, max_tokens: int = 48, ma
     merge_splits = triton_attention.merge_splits
 
     def counted_merge(*args, cu_seqlens_q=None, **kwargs):
-        merges.extend([1] if cu_seqlens_q is not None else [])
+        if cu_seqlens_q is not None:  # a varlen step's
+            merges.append(args[0].shape)
         return merge_splits(*args, cu_seqlens_q=cu_seqlens_q, **kwargs)
     # few sequences at a time: prompts start as others finish, beside their decodes
     with pytest.MonkeyPatch.context() as patch, LLM(
