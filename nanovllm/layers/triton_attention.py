@@ -124,19 +124,23 @@ if triton is not None:
                 return  # a row past the step's programs (the step's own programs wait for the kernel before)
             work = tl.load(tile_map_ptr + 2 * work + 1)
         q_tile, split = work // num_splits, work % num_splits
-        row_seq = tl.maximum(seq, 0)  # a map row past the step's tiles (-1) reads sequence 0's and ends below
         if DECODE:
             q_begin, query_len = seq, 1
         else:
-            q_begin = tl.load(cu_seqlens_q_ptr + row_seq)
-            query_len = tl.load(cu_seqlens_q_ptr + row_seq + 1) - q_begin
+            q_begin = tl.load(cu_seqlens_q_ptr + seq)
+            query_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
         if PAGED:
-            context_len = tl.load(context_lens_ptr + row_seq)
+            context_len = tl.load(context_lens_ptr + seq)
         else:  # the keys are this step's own tokens
             context_len = query_len
         # keys up to this tile's last query, cut into num_splits chunks of whole tiles (varlen: a decode's only)
         key_end = tl.minimum(context_len, context_len - query_len + (q_tile + 1) * QUERY_TILE)
-        seq_splits = num_splits if DECODE else tl.where((query_len == 1) & (row_seq < SPLIT_SEQS), num_splits, 1)
+        partial_out = SPLIT  # its split's output and log-sum-exp, for the merge: decode's, and a varlen step's decodes
+        seq_splits = num_splits
+        if SPLIT:
+            if not DECODE:
+                partial_out = (query_len == 1) & (seq < SPLIT_SEQS)
+                seq_splits = tl.where(partial_out, num_splits, 1)
         chunk = _split_chunk(key_end, seq_splits, min_split_tokens, KV_TILE)
         key_begin = split * chunk
         key_end = tl.minimum(key_end, key_begin + chunk)
@@ -154,7 +158,7 @@ if triton is not None:
                 _prefetch_l2(v_ptr + lines)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        if (seq < 0) | (q_tile * QUERY_TILE >= query_len):
+        if q_tile * QUERY_TILE >= query_len:
             return
 
         # row r holds query token q_tile * QUERY_TILE + r // GROUP_PAD, head kv_head * GROUP + r % GROUP_PAD
@@ -198,12 +202,8 @@ if triton is not None:
         out = acc * (v_scale / tl.where(seen, l, 1.0))[:, None]
         out_row = (q_begin + token).to(tl.int64) * (NUM_KV_HEADS * GROUP) + head
         out_mask = row_valid[:, None] & dim_valid[None, :]
-        partial_out = SPLIT  # its split's output and log-sum-exp, for the merge: decode's, and a varlen step's decodes
-        if SPLIT:
-            if not DECODE:
-                partial_out = (query_len == 1) & (row_seq < SPLIT_SEQS)
         if partial_out:  # rows of (sequence, head, split)
-            split_row = (row_seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * num_splits + split
+            split_row = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * num_splits + split
             tl.store(partial_ptr + split_row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
             lse = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))  # -inf: an empty split
             tl.store(lse_ptr + split_row, lse, mask=row_valid)
