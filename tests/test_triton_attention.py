@@ -339,6 +339,27 @@ def test_varlen_through_a_tile_map_matches_reference(name, num_heads, num_kv_hea
     assert merge_launches == ([(splits, triton_attention.MIN_SPLIT_TOKENS, splits)] if splits > 1 else [])
 
 
+@pytest.mark.parametrize("variant", [(32, 32, 4, 3), (128, 16, 8, 2)])
+def test_varlen_tiles_of_other_sizes_match_reference(variant, merge_launches, monkeypatch):
+    """NANOVLLM_VARLEN_TILE's other tiles (query rows, keys, warps, stages), through a tile map with split decodes:
+    the map's query tiles follow the rows, and the merge finds the splits that keys of that size make (a decode of
+    560 keys fills 4 splits of 160 or 144 keys in tiles of 32 or 16, 3 of 192 in tiles of 64)."""
+    for name, value in zip(("QUERY_ROWS", "VARLEN_KV_TILE", "VARLEN_WARPS", "VARLEN_STAGES"), variant):
+        monkeypatch.setattr(triton_attention, name, value)
+    query_lens, contexts = [1, 70, 1], [560, 70, 1000]
+    q, k, v, caches, meta = make_case(query_lens, contexts, 4, 2, 64, 16, False, seed=3)
+    expected = reference(q, k, v, caches, meta, False)
+    dtype = DTYPES[-1]
+    q, k, v, caches = to_device(q, k, v, caches, dtype)
+    query_tile = triton_attention.varlen_query_tile(2)
+    rows = triton_attention.max_varlen_tiles(q.size(0), len(query_lens), query_tile, 4)
+    tile_map = triton_attention.varlen_tile_map(np.array(query_lens), query_tile, rows, 4, np.array(contexts))
+    meta = dataclasses.replace(meta, max_seqlen_q=0, tile_map=torch.from_numpy(tile_map).to(DEVICE), tile_map_splits=4)
+    out = triton_attention.varlen_attention(q, k, v, *caches, meta, 64 ** -0.5)
+    assert_close(out, expected, dtype)
+    assert merge_launches == [(4, triton_attention.MIN_SPLIT_TOKENS, 4)]
+
+
 @pytest.mark.parametrize("kv_fp8", [False, True])
 @pytest.mark.parametrize("split_from", [3, 4, 5])
 def test_mixed_step_gives_its_leading_decodes_to_the_decode_kernel(split_from, kv_fp8, monkeypatch):

@@ -62,18 +62,24 @@ PER_THREAD_SPLITS = 32
 # step and 32 from 1.974 to 1.940; 8 tiles were slower than none at 8 and 32, and unsplit steps (batch 256: 8.507
 # -> 8.611 ms with 2) keep their bandwidth for the previous kernel. NANOVLLM_KV_PREFETCH overrides it
 KV_PREFETCH_TILES = int(os.environ.get("NANOVLLM_KV_PREFETCH", 2))
-QUERY_ROWS = 64  # varlen: query rows (tokens x heads of one KV head) per program
+# varlen: query rows (tokens x heads of one KV head) a program, keys an iteration (halved past head_dim 128), warps
+# and pipeline stages. On an H200 (`benchmarks/mixed_attention.py --sweep`: prompts of 100-900 tokens, alone and
+# beside 6 decodes, as the graphs run them) no other of 10 tiles was faster in sum: 3 stages 2% slower, the others
+# 28-69%. NANOVLLM_VARLEN_TILE="rows,keys,warps,stages" overrides them, for comparison
+QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.get("NANOVLLM_VARLEN_TILE",
+                                                                                   "64,64,4,2").split(","))
 # a varlen step of up to VARLEN_SPLIT_TOKENS tokens in a CUDA graph (`varlen_graphs.py`) splits the keys of each
 # decode among its first VARLEN_SPLIT_SEQS sequences into this many chunks (of MIN_SPLIT_TOKENS at least), merged
 # by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
 # H200, 6 decodes of ~600 keys beside a prompt of 256 tokens (a graph of 384): the attention took 24.0 -> 13.7 us a
-# layer, the step's kernels 2.06 -> 1.95 ms summed (the merge's wait for the attention counted in it); beside one of
-# 1,024 (a graph of 1,152) the step was slower in 2 of 3 runs. The grid has room for every split of every sequence
-# that may take them, and a program of an empty row still costs its start. NANOVLLM_VARLEN_SPLITS overrides it (1:
-# unsplit)
+# layer, the step's kernels 2.06 -> 1.95 ms summed (the merge's wait for the attention counted in it). GPU time of
+# the mixed step, split / unsplit (ms; session 33): prompts of 64 1.53 / 1.77, 256 1.89 / 2.13, 512 2.53 / 2.53, 768
+# 3.17 / 3.00, 1,024 4.05 / 3.80 (8 splits: no better than 4). The grid has room for every split of every sequence
+# that may take them, and a program of an empty row still costs its start. NANOVLLM_VARLEN_SPLITS and
+# NANOVLLM_VARLEN_SPLIT_TOKENS override them (splits 1: unsplit)
 VARLEN_DECODE_SPLITS = int(os.environ.get("NANOVLLM_VARLEN_SPLITS", 4))
 VARLEN_SPLIT_SEQS = 16
-VARLEN_SPLIT_TOKENS = 384
+VARLEN_SPLIT_TOKENS = int(os.environ.get("NANOVLLM_VARLEN_SPLIT_TOKENS", 384))
 # a mixed step with at least this many leading decodes attends them with the decode kernel (0: never);
 # NANOVLLM_SPLIT_DECODES overrides it, for comparison
 SPLIT_DECODES = int(os.environ.get("NANOVLLM_SPLIT_DECODES", 32))
@@ -411,7 +417,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                         _compute_dtype(q.dtype, keys.dtype))
     query_tile = varlen_query_tile(num_heads // kv_heads)
     rows = query_tile * args["GROUP_PAD"]
-    tile = 64 if head_dim <= 128 else 32
+    tile = VARLEN_KV_TILE if head_dim <= 128 else VARLEN_KV_TILE // 2
     tile_map, splits = meta.tile_map, meta.tile_map_splits if paged else 1
     if tile_map is None:
         grid = (triton.cdiv(meta.max_seqlen_q, query_tile), meta.cu_seqlens_q.numel() - 1, kv_heads)
@@ -430,7 +436,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         q.stride(0), q.stride(1), token_stride, head_stride, meta.block_tables.stride(0),
         num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=False, PAGED=paged, SPLIT=splits > 1, TILE_MAP=tile_map is not None,
-        SPLIT_SEQS=VARLEN_SPLIT_SEQS, ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1, num_warps=4, num_stages=2,
+        SPLIT_SEQS=VARLEN_SPLIT_SEQS, ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1, num_warps=VARLEN_WARPS,
+        num_stages=VARLEN_STAGES,
         **args, **pdl_args(q.device))
     if splits > 1:
         merge_splits(partial, lse, out, (meta.context_lens, MIN_SPLIT_TOKENS, tile), cu_seqlens_q=meta.cu_seqlens_q)
