@@ -9,6 +9,7 @@ step whose wall time is far above its GPU time is bound by the host.
     python benchmarks/profile_mixed.py [--model PATH] [--decodes 8] [--context 500] [--prompt-lens 16 128 512 1024]
 """
 import argparse
+import contextlib
 import cProfile
 import pstats
 import random
@@ -63,19 +64,23 @@ def main():
         llm.step()  # the prefill, then decodes
     print(f"{args.decodes} decodes of ~{args.context} tokens; ms per step, median of {args.reps}")
     print("| prompt tokens | mixed step | decode-only step | prefill alone | mixed step: GPU | its attention, "
-          "us a layer |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+          "us a layer | prefill alone: GPU | its attention |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in args.prompt_lens:
         mixed, decode = [], []
         for _ in range(args.reps):
             llm.add_request(prompt(n), once)
             mixed.append(timed_step(llm))
             decode.append(timed_step(llm))
-        # the same prompt alone: a scratch engine would recompile, so pause the decodes instead
-        alone = prefill_alone(llm, n, once, args.reps, prompt)
+        with decodes_held(llm):
+            alone = []
+            for _ in range(args.reps):
+                llm.add_request(prompt(n), once)
+                alone.append(timed_step(llm))
+            alone_gpu, alone_attention = gpu_time(llm, n, once, args.reps, prompt)
         gpu, attention = gpu_time(llm, n, once, args.reps, prompt)
         print(f"| {n} | {statistics.median(mixed) * 1e3:.2f} | {statistics.median(decode) * 1e3:.2f} | "
-              f"{alone:.2f} | {gpu:.2f} | {attention:.1f} |")
+              f"{statistics.median(alone) * 1e3:.2f} | {gpu:.2f} | {attention:.1f} | {alone_gpu:.2f} | {alone_attention:.1f} |")
 
     if args.trace:
         for n in args.prompt_lens:
@@ -117,18 +122,18 @@ def gpu_time(llm: LLM, n: int, params, reps: int, prompt) -> tuple[float, float]
     return sum(us for *_, us in rows) / 1e3, attention / len(llm.model_runner.attn_layers)
 
 
-def prefill_alone(llm: LLM, n: int, params, reps: int, prompt) -> float:
-    """Median ms of a step that prefills n tokens with no decode beside it (the decodes are held back)."""
+@contextlib.contextmanager
+def decodes_held(llm: LLM):
+    """Steps inside prefill the prompts added there with no decode beside them: the decodes are held back (a
+    scratch engine would recompile)."""
     scheduler = llm.scheduler
-    running, times = list(scheduler.running), []
-    for _ in range(reps):
-        held = list(scheduler.running)
-        scheduler.running.clear()
-        llm.add_request(prompt(n), params)
-        times.append(timed_step(llm))
+    held = list(scheduler.running)
+    scheduler.running.clear()
+    try:
+        yield
+    finally:
+        assert not scheduler.running  # (each prompt there finishes in its own step: max_tokens=1)
         scheduler.running.extend(held)
-    assert len(scheduler.running) == len(running)
-    return statistics.median(times) * 1e3
 
 
 if __name__ == "__main__":
