@@ -5,6 +5,12 @@ graph replays, so a step's host work is about num_layers x this host time: when 
 the step, the GPU waits for the host.
 
     python benchmarks/mixed_attention.py [--block-size 256] [--calls 50]
+    python benchmarks/mixed_attention.py --sweep [--variants 64,64,4,2 64,64,4,3 ...]
+
+`--sweep`: the varlen kernel as a varlen graph runs it (a tile map of the graph's size, the decodes split where
+its graphs split them), over 28 layers' caches in turn (as a step reads them: not from L2), for tiles of query rows,
+keys, warps and stages (`NANOVLLM_VARLEN_TILE`'s form): a prompt alone and beside 6 decodes of 600 keys, us a
+layer; the last line names the variant of the least time over all cases.
 
 A case is `decodes` sequences of one query token (context `decode_context`) plus `prompts` prompts of
 `prompt_len` new tokens after `prefix` cached ones, in one varlen batch, paged, block tables shuffled. Each
@@ -12,11 +18,13 @@ kernel's calls are enqueued behind a long `torch.cuda._sleep`, so the host time 
 the device time (CUDA events around the calls, after the sleep) is the kernels' alone. Cells: host us / device us.
 """
 import argparse
+import dataclasses
 import math
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -71,11 +79,64 @@ def timed(fn, calls: int) -> tuple[float, float]:
     return 1e6 * host / calls, 1e3 * before.elapsed_time(after) / calls
 
 
+SWEEP_CASES = [(d, 600, 1, n, 0) for d in (0, 6) for n in (100, 300, 500, 900)]
+VARIANTS = ["64,64,4,2", "64,64,4,3", "64,64,8,2", "64,32,4,3", "64,32,4,4", "64,128,8,2", "64,128,4,2",
+            "128,64,8,2", "128,64,8,3", "32,64,4,2", "32,32,4,3"]
+LAYERS = 28
+
+
+def sweep(variants: list[str], block_size: int, calls: int):
+    from nanovllm.engine.varlen_graphs import MAX_SEQS, graph_sizes
+    from nanovllm.layers import triton_attention as ta
+    scale = HEAD_DIM ** -0.5
+    problems = []
+    for case in SWEEP_CASES:
+        q, k, k_cache, v_cache, meta = problem(*case, block_size)
+        caches = [(k_cache, v_cache)] + [(torch.randn_like(k_cache), torch.randn_like(v_cache))
+                                         for _ in range(LAYERS - 1)]
+        size = next(size for size in graph_sizes(2048) if size >= q.size(0))
+        problems.append((q, k, caches, meta, size, min(MAX_SEQS, size)))
+    print(f"{torch.cuda.get_device_name()}, block size {block_size}; us a layer (device, {LAYERS} layers' caches in "
+          "turn); prompt alone, then beside 6 decodes of 600 keys")
+    print("| rows,keys,warps,stages | " + " | ".join(f"{'+6 ' if d else ''}{n}" for d, _, _, n, _ in SWEEP_CASES)
+          + " | sum | max diff |")
+    print("| --- | " + " | ".join("---:" for _ in SWEEP_CASES) + " | ---: | ---: |")
+    reference, totals = None, {}
+    for variant in variants:
+        ta.QUERY_ROWS, ta.VARLEN_KV_TILE, ta.VARLEN_WARPS, ta.VARLEN_STAGES = map(int, variant.split(","))
+        cells, outs = [], []
+        for q, k, caches, meta, size, seqs in problems:
+            splits = ta.VARLEN_DECODE_SPLITS if size <= ta.VARLEN_SPLIT_TOKENS else 1
+            query_tile = ta.varlen_query_tile(HEADS // KV_HEADS)
+            rows = ta.max_varlen_tiles(size, seqs, query_tile, splits)
+            tile_map = ta.varlen_tile_map(np.array(meta.query_lens_host), query_tile, rows, splits,
+                                          np.array(meta.context_lens_host))
+            graph_meta = dataclasses.replace(meta, tile_map=torch.from_numpy(tile_map).cuda(), tile_map_splits=splits)
+            out = torch.empty_like(q)
+
+            def step():
+                for k_cache, v_cache in caches:
+                    varlen_attention(q, k, k, k_cache, v_cache, graph_meta, scale, out=out)
+            step()
+            outs.append(out.float().clone())
+            cells.append(timed(step, calls)[1] / LAYERS)
+        reference = reference or outs
+        diff = max((a - b).abs().max().item() for a, b in zip(outs, reference))
+        totals[variant] = sum(cells)
+        print(f"| {variant} | " + " | ".join(f"{us:.1f}" for us in cells) + f" | {sum(cells):.1f} | {diff:.3f} |",
+              flush=True)
+    print("best:", min(totals, key=totals.get))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--variants", nargs="+", default=VARIANTS)
     args = parser.parse_args()
+    if args.sweep:
+        return sweep(args.variants, args.block_size, max(1, args.calls // 5))
     from nanovllm.layers import triton_attention
     from nanovllm.layers.flash_attention import FlashAttnBackend
     triton_attention.SPLIT_DECODES = 1  # the split ones split whenever a decode leads
