@@ -1,8 +1,10 @@
 """Where a mixed step's time goes on CUDA: `--decodes` sequences decode while one prompt of each `--prompt-lens`
 arrives; for each length, the wall time of the step that prefills it beside the decodes (async scheduling off,
 so a step's time is its own), of a decode-only step, and of the same prompt prefilled alone, and the GPU time of
-such a mixed step and of its attention (on CUDA; what the kernels add to the critical path, since under dependent
-launch a kernel starts while the one before it ends, so the profiler's durations overlap). Then, for the last
+the mixed step and of its attention, and of the prompt alone (on CUDA; what the kernels add to the critical path,
+since under dependent launch a kernel starts while the one before it ends, so the profiler's durations overlap).
+Choose lengths whose mixed step takes the graph size of the prompt alone (300, 500, 900 beside 6 decodes), or the
+difference counts padding too. Then, for the last
 length, its kernels by their own time (torch.profiler) and the host functions that took longest (cProfile): a
 step whose wall time is far above its GPU time is bound by the host.
 
@@ -80,7 +82,8 @@ def main():
             alone_gpu, alone_attention = gpu_time(llm, n, once, args.reps, prompt)
         gpu, attention = gpu_time(llm, n, once, args.reps, prompt)
         print(f"| {n} | {statistics.median(mixed) * 1e3:.2f} | {statistics.median(decode) * 1e3:.2f} | "
-              f"{statistics.median(alone) * 1e3:.2f} | {gpu:.2f} | {attention:.1f} | {alone_gpu:.2f} | {alone_attention:.1f} |")
+              f"{statistics.median(alone) * 1e3:.2f} | {gpu:.2f} | {attention:.1f} | {alone_gpu:.2f} | "
+              f"{alone_attention:.1f} |")
 
     if args.trace:
         for n in args.prompt_lens:
