@@ -86,7 +86,7 @@ LAYERS = 28
 
 
 def sweep(variants: list[str], block_size: int, calls: int):
-    from nanovllm.engine.varlen_graphs import MAX_SEQS, graph_sizes
+    from nanovllm.engine.varlen_graphs import MAX_SEQS, VarlenGraphs, graph_sizes
     from nanovllm.layers import triton_attention as ta
     scale = HEAD_DIM ** -0.5
     problems = []
@@ -106,7 +106,7 @@ def sweep(variants: list[str], block_size: int, calls: int):
         ta.QUERY_ROWS, ta.VARLEN_KV_TILE, ta.VARLEN_WARPS, ta.VARLEN_STAGES = map(int, variant.split(","))
         cells, outs = [], []
         for q, k, caches, meta, size, seqs in problems:
-            splits = ta.VARLEN_DECODE_SPLITS if size <= ta.VARLEN_SPLIT_TOKENS else 1
+            splits = VarlenGraphs.splits(size)
             query_tile = ta.varlen_query_tile(HEADS // KV_HEADS)
             rows = ta.max_varlen_tiles(size, seqs, query_tile, splits)
             tile_map = ta.varlen_tile_map(np.array(meta.query_lens_host), query_tile, rows, splits,
