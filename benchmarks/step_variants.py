@@ -4,11 +4,14 @@ read when the CUDA graphs are captured, so one engine cannot time two): ms per s
     python benchmarks/step_variants.py --batch 1 4 16 32 --variant "" --variant "down=32,512,4" --variant ""
 
 A variant is NAME=VALUE pairs, space-separated: `split` (the decode kernel's minimum split where the merge takes
-a tile, MIN_SPLIT_TOKENS_TILE_MERGE), `min_split` (MIN_SPLIT_TOKENS), and the skinny projections' tiles `qkv`,
-`o_proj`, `gate_up`, `down` as block_n,block_k,num_warps (qkv's block_n is half a head), at every row count or,
-as `gate_up@32=...`, only where the rows pad to that block (16: 1-16 rows, 32: 17-32). "" is the code as it is:
-time it first and last to see the run-to-run noise. Steps are timed as `profile_decode.py` times them (context
-~1,000), on an engine of at most the largest batch's sequences (fewer graphs to capture than the default 512).
+a tile, MIN_SPLIT_TOKENS_TILE_MERGE), `min_split` (MIN_SPLIT_TOKENS), `target` (the programs an SM that a split
+batch aims at, SPLIT_TARGET_PROGRAMS_PER_SM), `splits` (the split count of every batch that splits), `prefetch`
+(KV_PREFETCH_TILES), and the skinny projections' tiles `qkv`, `o_proj`, `gate_up`, `down` as
+block_n,block_k,num_warps (qkv's block_n is half a head), at every row count or, as `gate_up@32=...`, only where
+the rows pad to that block (16: 1-16 rows, 32: 17-32). "" is the code as it is: time it first and last to see the
+run-to-run noise. Steps are timed as `profile_decode.py` times them (`--context`: ~1,000 tokens, or several
+lengths; `--kv-cache-dtype`), on an engine of at most the largest batch's sequences (fewer graphs to capture than
+the default 512).
 Session 29 chose the down projection's tiles at up to 16 rows so (benchmarks/HISTORY.md).
 """
 import argparse
@@ -16,7 +19,9 @@ import subprocess
 import sys
 import time
 
-SETTINGS = ("split", "min_split")
+SETTINGS = {"split": "MIN_SPLIT_TOKENS_TILE_MERGE", "min_split": "MIN_SPLIT_TOKENS",
+            "target": "SPLIT_TARGET_PROGRAMS_PER_SM", "prefetch": "KV_PREFETCH_TILES",
+            "splits": None}  # their names in triton_attention (`splits` replaces decode_splits' count where it splits)
 TILES = ("qkv", "o_proj", "gate_up", "down")
 
 
@@ -29,8 +34,8 @@ def parse_variant(text: str) -> dict:
         name, _, rows = key.partition("@")
         if rows not in ("", "16", "32") or (rows and name not in TILES):
             raise ValueError(f"{key!r} in {text!r}: only a tile takes @16 or @32")
-        if name not in SETTINGS + TILES:
-            raise ValueError(f"unknown setting {name!r} in {text!r}: one of {', '.join(SETTINGS + TILES)}")
+        if name not in (*SETTINGS, *TILES):
+            raise ValueError(f"unknown setting {name!r} in {text!r}: one of {', '.join((*SETTINGS, *TILES))}")
         numbers = tuple(int(v) for v in value.split(",")) if value else ()
         if len(numbers) != (1 if name in SETTINGS else 3):
             raise ValueError(f"{item!r}: {name} takes {'a number' if name in SETTINGS else 'block_n,block_k,warps'}")
@@ -50,10 +55,14 @@ def projection(k: int, gated: bool, head_dim: int, intermediate_size: int) -> st
 def apply(variant: dict, intermediate_size: int):
     """Set the variant's choices in the modules that read them."""
     from nanovllm.layers import triton_attention, triton_skinny
-    if "split" in variant:
-        triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE = variant["split"]
-    if "min_split" in variant:
-        triton_attention.MIN_SPLIT_TOKENS = variant["min_split"]
+    for name, attribute in SETTINGS.items():
+        if name in variant and attribute:  # (a setting by the cache's bytes an element takes the value for each)
+            tuned = getattr(triton_attention, attribute)
+            setattr(triton_attention, attribute, dict.fromkeys(tuned, variant[name]) if isinstance(tuned, dict)
+                    else variant[name])
+    if "splits" in variant:
+        heuristic = triton_attention.decode_splits
+        triton_attention.decode_splits = lambda *shape: variant["splits"] if heuristic(*shape) > 1 else 1
     tuned = triton_skinny.plan
 
     def plan(block_m, k, gated, head_dim=0):
@@ -70,9 +79,9 @@ def one(args):
     from profile_decode import profile_batch
     model = args.model or str(default_checkpoint("qwen3-0.6b"))
     apply(parse_variant(args.one), AutoConfig.from_pretrained(model).intermediate_size)
-    llm = LLM(model, max_num_seqs=max(args.batch))
-    timing = argparse.Namespace(context=args.context, steps=args.steps, rows=0, trace=None)
-    print("RESULT", *(f"{profile_batch(llm, b, timing) * 1e3:.3f}" for b in args.batch), flush=True)
+    llm = LLM(model, max_num_seqs=max(args.batch), kv_cache_dtype=args.kv_cache_dtype)
+    timings = [argparse.Namespace(context=c, steps=args.steps, rows=0, trace=None) for c in args.context]
+    print("RESULT", *(f"{profile_batch(llm, b, t) * 1e3:.3f}" for t in timings for b in args.batch), flush=True)
     llm.exit()
 
 
@@ -80,8 +89,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--context", type=int, nargs="+", default=[1000])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--variant", action="append", help='e.g. "split=64 down=32,512,4"; "" is the code as it is')
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -97,15 +107,17 @@ def main():
     for text in variants:
         start = time.perf_counter()
         command = [sys.executable, __file__, "--one", text, "--batch", *map(str, args.batch), "--context",
-                   str(args.context), "--steps", str(args.steps)] + (["--model", args.model] if args.model else [])
+                   *map(str, args.context), "--steps", str(args.steps), "--kv-cache-dtype", args.kv_cache_dtype]
+        command += ["--model", args.model] if args.model else []
         child = subprocess.run(command, capture_output=True, text=True)
         result = [line.split()[1:] for line in child.stdout.splitlines() if line.startswith("RESULT")]
         if child.returncode or not result:
             sys.exit(f"variant {text!r} failed ({child.returncode}):\n{child.stderr[-3000:]}")
         rows.append((text or "(as it is)", result[0]))
         print(f"{rows[-1][0]}: {' '.join(result[0])} ms/step ({time.perf_counter() - start:.0f} s)", flush=True)
-    print(f"| variant | {' | '.join(f'batch {b}' for b in args.batch)} |")
-    print(f"| --- |{' ---: |' * len(args.batch)}")
+    columns = [f"batch {b}" + (f" x {c}" if len(args.context) > 1 else "") for c in args.context for b in args.batch]
+    print(f"| variant | {' | '.join(columns)} |")
+    print(f"| --- |{' ---: |' * len(columns)}")
     for text, times in rows:
         print(f"| {text} | {' | '.join(times)} |")
 
