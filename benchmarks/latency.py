@@ -10,7 +10,9 @@ and the longest garbage collection: a tail that comes from a compile or a collec
     python benchmarks/latency.py [--model PATH] [--num-requests 200] [--rate 20] [--budgets 512 2048 16384]
 
 `--budgets`: the token budgets (`max_num_batched_tokens`) of the mixed steps to compare; a smaller one cuts the
-long prompts into more chunks, so decodes beside them wait less and first tokens come later.
+long prompts into more chunks, so decodes beside them wait less and first tokens come later. `--policies`: the
+runs, in order (default: mixed, then prefill-first); `--policies mixed prefill-first mixed prefill-first` shows
+whether a policy's figures depend on its place in the process.
 """
 import argparse
 import asyncio
@@ -100,6 +102,75 @@ def trace_steps(llm: LLM) -> list:
     return steps
 
 
+def plan_runs(policies: list[str], budgets: list[int]) -> list[tuple[str, bool, int]]:
+    """(name, prefill_first, token budget) of each run, in order: a mixed one once per budget; a name that comes
+    again is told apart by its run's number."""
+    runs, seen = [], {}
+    for policy in policies:
+        for budget in budgets if policy == "mixed" else [DEFAULT_BUDGET]:
+            name = f"mixed, budget {budget}" if policy == "mixed" and len(budgets) > 1 else policy
+            seen[name] = seen.get(name, 0) + 1
+            runs.append((name + (f" (run {seen[name]})" if seen[name] > 1 else ""), policy == "prefill-first", budget))
+    return runs
+
+
+def trace_prompts(llm: LLM) -> tuple[dict, list]:
+    """From now on: by its first 16 tokens, when the step that first computes a prompt began its schedule and when
+    its launch returned (perf_counter seconds), so that a request's time to its first token splits into its wait
+    for a step (its arrival to that schedule), the host's work to launch it, and the rest (the device's work up to
+    the end of that step, and the completion that hands the token over); and on CUDA, events before and after
+    every step's launch, with whether it computed prompt tokens (`device_parts`)."""
+    prompts, events, schedule, launch = {}, [], llm.scheduler.schedule, llm._launch
+    began = [0.0]
+
+    def scheduled():
+        began[0] = time.perf_counter()
+        return schedule()
+
+    def launched(seqs, *args):
+        firsts = [tuple(seq.token_ids[:16]) for seq in seqs if seq.num_scheduled_tokens > 1]
+        if torch.cuda.is_available():
+            events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), bool(firsts)))
+            events[-1][0].record()
+        result = launch(seqs, *args)
+        if events:
+            events[-1][1].record()
+        for first in firsts:
+            prompts.setdefault(first, (began[0], time.perf_counter()))
+        return result
+    llm.scheduler.schedule, llm._launch = scheduled, launched
+    return prompts, events
+
+
+def first_token_parts(results, requests, prompts: dict) -> str:
+    """Median and p90 of the three parts of `trace_prompts`, over the requests it saw, in ms."""
+    parts = [[], [], []]
+    for (ttft, _, start), (prompt, _) in zip(results, requests):
+        if tuple(prompt[:16]) in prompts:
+            scheduled, launched = prompts[tuple(prompt[:16])]
+            for part, value in zip(parts, (scheduled - start, launched - scheduled, start + ttft - launched)):
+                part.append(value * 1e3)
+    names = ("wait for a step", "schedule and launch", "launch to first token")
+    return ", ".join(f"{name} {percentile(part, 50):.2f} / {percentile(part, 90):.2f}"
+                     for name, part in zip(names, parts) if part) + f" ({len(parts[0])} requests)"
+
+
+def device_parts(events: list) -> str:
+    """Median and p90, in ms, of the device's time from the event before a step's launch to the one after it (the
+    step's work, once the device reached it), and of its idle time before that event since the step before
+    ended, for steps with prompt tokens, the steps after them, and the other steps (the events have completed)."""
+    kinds = {"with prompt tokens": [], "after one": [], "other": []}
+    for i, (start, end, prompt) in enumerate(events):
+        kind = "with prompt tokens" if prompt else "after one" if i and events[i - 1][2] else "other"
+        idle = events[i - 1][1].elapsed_time(start) if i else 0.0
+        kinds[kind].append((start.elapsed_time(end), max(idle, 0.0)))
+
+    def p50_p90(values):
+        return f"{percentile(values, 50):.2f} / {percentile(values, 90):.2f}"
+    return "; ".join(f"{kind} ({len(pairs)}): work {p50_p90([w for w, _ in pairs])}, idle before "
+                     f"{p50_p90([i for _, i in pairs])}" for kind, pairs in kinds.items() if pairs)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model")
@@ -108,6 +179,8 @@ def main():
     parser.add_argument("--max-output-len", type=int, default=512)
     parser.add_argument("--budgets", type=int, nargs="+", default=[DEFAULT_BUDGET],
                         help="token budgets of the mixed steps (max_num_batched_tokens), each its own run")
+    parser.add_argument("--policies", nargs="+", choices=["mixed", "prefill-first"],
+                        default=["mixed", "prefill-first"], help="the runs in order (each mixed one once per budget)")
     args = parser.parse_args()
     watch_triton_compiles()
     watch_garbage_collections()
@@ -119,13 +192,13 @@ def main():
                  SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(min(100, args.max_output_len), args.max_output_len)))
                 for _ in range(args.num_requests)]
     rows, notes = [], []
-    policies = [(f"mixed, budget {b}" if len(args.budgets) > 1 else "mixed", False, b) for b in args.budgets]
-    for name, prefill_first, budget in [*policies, ("prefill-first", True, DEFAULT_BUDGET)]:
+    for name, prefill_first, budget in plan_runs(args.policies, args.budgets):
         with LLM(path, prefill_first=prefill_first, max_num_batched_tokens=budget) as llm:
             # a short burst first: every kind of step has run (and compiled) before the clock starts
             warmup = [(prompt, SamplingParams(max_tokens=8, ignore_eos=True)) for prompt, _ in requests[:16]]
             asyncio.run(drive(llm, warmup, 4 * args.rate, seed=1))
             compiled, triton_before, steps = compiled_kernels(), len(TRITON_COMPILES), trace_steps(llm)
+            prompts, events = trace_prompts(llm)
             gc_before = len(GC_PAUSES)
             t = time.perf_counter()
             results = asyncio.run(drive(llm, requests, args.rate, seed=0))
@@ -150,6 +223,10 @@ def main():
         notes.append(f"{name}: step ms p50 / p90 / p99: " + "; ".join(
             f"{kind} ({len(times)}) " + " / ".join(f"{percentile(times, q) * 1e3:.1f}" for q in (50, 90, 99))
             for kind, times in (("with prefill", with_prefill), ("decode-only", decode_only)) if times))
+        notes.append(f"{name}: first tokens, ms p50 / p90: {first_token_parts(results, requests, prompts)}")
+        if events:
+            torch.cuda.synchronize()
+            notes.append(f"{name}: device, ms p50 / p90: {device_parts(events)}")
         late = sorted(zip(results, requests), key=lambda x: -x[0][0])[:5]
         notes.append(f"{name}: slowest first tokens (ms, arrival s, prompt tokens, output tokens): " +
                      ", ".join(f"({r[0] * 1e3:.0f}, {r[2] - t:.2f}, {len(p)}, {len(r[1]) + 1})"
