@@ -42,7 +42,8 @@ def test_step_variants_sets_what_the_engine_reads(monkeypatch):
     time; the projections it does not name keep their tuned tiles."""
     from nanovllm.layers import triton_attention, triton_skinny
     from step_variants import apply
-    for name in ("MIN_SPLIT_TOKENS_TILE_MERGE", "MIN_SPLIT_TOKENS"):
+    for name in ("MIN_SPLIT_TOKENS_TILE_MERGE", "MIN_SPLIT_TOKENS", "SPLIT_TARGET_PROGRAMS_PER_SM",
+                 "KV_PREFETCH_TILES", "decode_splits"):
         monkeypatch.setattr(triton_attention, name, getattr(triton_attention, name))
     monkeypatch.setattr(triton_skinny, "plan", triton_skinny.plan)
     o_proj = triton_skinny.plan(16, 2048, False)
@@ -52,6 +53,38 @@ def test_step_variants_sets_what_the_engine_reads(monkeypatch):
     assert triton_skinny.plan(16, 3072, False) == triton_skinny.plan(32, 3072, False) == (16, 256, 4)
     assert triton_skinny.plan(16, 2048, False) == o_proj
     assert (triton_skinny.plan(16, 1024, True), triton_skinny.plan(32, 1024, True)) == (gate_up, (64, 256, 8))
+    # a setting by the cache's bytes an element takes the value for each; `splits` only where the heuristic splits
+    apply({"target": 5, "prefetch": 0, "splits": 3}, intermediate_size=3072)
+    assert triton_attention.SPLIT_TARGET_PROGRAMS_PER_SM == {2: 5, 1: 5} and triton_attention.KV_PREFETCH_TILES == 0
+    assert [triton_attention.decode_splits(batch, 8, 132, 1) for batch in (1, 8, 48, 64)] == [3, 3, 3, 1]
+
+
+def test_latency_names_its_runs_and_splits_first_tokens_and_device_time():
+    """latency.py's runs in order (a mixed one per budget, a repeated name numbered), a first token's three parts
+    over the requests whose prompt step was seen, and the device's work and idle time by kind of step."""
+    from latency import DEFAULT_BUDGET, device_parts, first_token_parts, plan_runs
+    assert plan_runs(["mixed", "prefill-first", "mixed"], [DEFAULT_BUDGET]) == [
+        ("mixed", False, DEFAULT_BUDGET), ("prefill-first", True, DEFAULT_BUDGET),
+        ("mixed (run 2)", False, DEFAULT_BUDGET)]
+    assert plan_runs(["mixed", "prefill-first"], [512, 2048]) == [
+        ("mixed, budget 512", False, 512), ("mixed, budget 2048", False, 2048),
+        ("prefill-first", True, DEFAULT_BUDGET)]
+    prompts = {tuple(range(16)): (1.002, 1.003)}  # scheduled 2 ms after the request came, launched 1 ms later
+    results = [(0.010, [], 1.0), (0.5, [], 0.0)]  # the second's prompt step was not seen: left out
+    requests = [(list(range(20)), None), (list(range(1, 21)), None)]
+    assert first_token_parts(results, requests, prompts) == \
+        "wait for a step 2.00 / 2.00, schedule and launch 1.00 / 1.00, launch to first token 7.00 / 7.00 (1 requests)"
+
+    class Event:  # a recorded CUDA event, at `t` ms
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+    steps = [(0, 1, False), (1.5, 4.5, True), (4.5, 5.5, False), (6, 7, True)]  # (start, end, prompt tokens)
+    assert device_parts([(Event(a), Event(b), prompt) for a, b, prompt in steps]) == (
+        "with prompt tokens (2): work 2.00 / 2.80, idle before 0.50 / 0.50; after one (1): work 1.00 / 1.00, "
+        "idle before 0.00 / 0.00; other (1): work 1.00 / 1.00, idle before 0.00 / 0.00")
 
 
 def test_kernel_resources_reads_registers_and_spills_of_an_sm90_compile():
