@@ -554,20 +554,27 @@ def test_decode_splits_only_below_their_programs_per_sm(itemsize):
     assert triton_attention.decode_splits(full - 1, 1, sms, itemsize) >= 2
 
 
-def test_fp8_decode_splits_48_sequences_in_two():
-    """Over FP8 (session 30) 48 sequences of 8 KV heads split in 2 on an H200, as over bf16 they do not; 32 split
-    as over bf16, and a float32 cache splits as bf16 does."""
+def test_fp8_decode_splits_fill_an_sm_of_its_programs():
+    """Over FP8 (sessions 30 and 34, on an H200) 48 sequences of 8 KV heads split in 2, as over bf16 they do not,
+    and a split batch aims at 6 programs an SM where bf16's aims at 4 (24 sequences: 4 splits, not 2; 32: 3); a
+    float32 cache splits as bf16 does."""
     sms = 132
     assert triton_attention.decode_splits(48, 8, sms, 1) == 2
     assert triton_attention.decode_splits(48, 8, sms, 2) == 1
     assert triton_attention.decode_splits(48, 8, sms, 4) == 1
-    assert triton_attention.decode_splits(32, 8, sms, 1) == triton_attention.decode_splits(32, 8, sms, 2) == 2
+    assert triton_attention.decode_splits(24, 8, sms, 1) == 4
+    assert triton_attention.decode_splits(32, 8, sms, 1) == 3
+    assert triton_attention.decode_splits(32, 8, sms, 2) == triton_attention.decode_splits(32, 8, sms, 4) == 2
+    for batch in (2, 8, 16, 24, 32, 40):
+        splits = triton_attention.decode_splits(batch, 8, sms, 1)
+        assert 4 * sms < batch * 8 * splits <= 6 * sms and splits <= triton_attention.MAX_SPLITS
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
 def test_decode_splits_by_the_caches_bytes(kv_fp8, monkeypatch, merge_launches):
     """decode_attention picks its splits by the cache's dtype: on 4 SMs, 8 programs (8 sequences, 1 KV head) fill
-    the GPU over a float32 cache (no merge) and split in 2 over FP8; the output is right both ways."""
+    the GPU over a float32 cache (no merge) and split in 3 over FP8 (24 programs: 6 an SM); the output is right
+    both ways."""
     monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)
     q, k, v, caches, meta = make_case([1] * 8, [300, 1, 70, 129, 64, 200, 2, 90], 2, 1, 64, 16, kv_fp8, seed=30)
     expected = reference(q, k, v, caches, meta, kv_fp8)
@@ -575,7 +582,7 @@ def test_decode_splits_by_the_caches_bytes(kv_fp8, monkeypatch, merge_launches):
     scales = (K_SCALE, V_SCALE) if kv_fp8 else (1.0, 1.0)
     out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125, *scales)
     assert_close(out, expected, torch.float32)
-    assert merge_launches == ([(2, triton_attention.MIN_SPLIT_TOKENS, 2)] if kv_fp8 else [])
+    assert merge_launches == ([(3, triton_attention.MIN_SPLIT_TOKENS, 3)] if kv_fp8 else [])
 
 
 @pytest.mark.parametrize("split_decodes", [0, 1])

@@ -45,7 +45,12 @@ LOG2E = 1.4426950408889634
 # the bf16 kernel's) 33-49 sequences split in 2 too: at 48, 55.1 -> 49.3 us at equal contexts of 1,074, 78.6 -> 62.0
 # at bench.py's ragged ones, and 2.748 -> 2.582 ms a step (session 30)
 SPLIT_BELOW_PROGRAMS_PER_SM = {2: 2, 1: 3}
-SPLIT_TARGET_PROGRAMS_PER_SM = 4  # and then make about this many, 2 splits at least (more loses to the tail)
+# and then make about this many, 2 splits at least (more loses to the tail); over FP8 6, an SM's worth of its
+# programs. Engine steps, ms at contexts of 1,000 / 1,800, 4 -> 6 in one call (session 34, step_variants.py): 8
+# sequences 1.079 / 1.289 -> 1.061 / 1.186 (12 splits), 16 1.295 / 1.684 -> 1.214 / 1.432 (6), 24 1.809 / 2.501 ->
+# 1.616 / 2.027 (4), 32 1.836 / 2.515 -> 1.663 / 2.077 (3); 4 sequences lost, 1.027 / 1.062 -> 1.067 / 1.092 (24
+# splits, not 16). bf16's (4 programs an SM) lost with 6: 32 x 1,000 1.854 -> 2.031
+SPLIT_TARGET_PROGRAMS_PER_SM = {2: 4, 1: 6}
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
 # and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
@@ -280,7 +285,7 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kv_itemsize: int 
     programs = batch * num_kv_heads
     if programs >= SPLIT_BELOW_PROGRAMS_PER_SM[min(kv_itemsize, 2)] * num_sms:  # (float32 splits as bf16 does)
         return 1
-    return max(2, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS_PER_SM * num_sms // programs))
+    return max(2, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS_PER_SM[min(kv_itemsize, 2)] * num_sms // programs))
 
 
 def decode_tile(head_dim: int, kv_itemsize: int) -> tuple[int, int, int]:
