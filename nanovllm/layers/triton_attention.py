@@ -49,7 +49,8 @@ SPLIT_BELOW_PROGRAMS_PER_SM = {2: 2, 1: 3}
 # programs. Engine steps, ms at contexts of 1,000 / 1,800, 4 -> 6 in one call (session 34, step_variants.py): 8
 # sequences 1.079 / 1.289 -> 1.061 / 1.186 (12 splits), 16 1.295 / 1.684 -> 1.214 / 1.432 (6), 24 1.809 / 2.501 ->
 # 1.616 / 2.027 (4), 32 1.836 / 2.515 -> 1.663 / 2.077 (3); 4 sequences lost, 1.027 / 1.062 -> 1.067 / 1.092 (24
-# splits, not 16). bf16's (4 programs an SM) lost with 6: 32 x 1,000 1.854 -> 2.031
+# splits, not 16). bf16's (4 programs an SM) lost with 6: 32 x 1,000 1.854 -> 2.031. (Session 30 had found 6 slower
+# at 8-32: decode_attention_notes.md, run 10)
 SPLIT_TARGET_PROGRAMS_PER_SM = {2: 4, 1: 6}
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
