@@ -102,6 +102,10 @@ def trace_steps(llm: LLM) -> list:
     return steps
 
 
+def p50_p90(values: list[float]) -> str:
+    return f"{percentile(values, 50):.2f} / {percentile(values, 90):.2f}"
+
+
 def plan_runs(policies: list[str], budgets: list[int]) -> list[tuple[str, bool, int]]:
     """(name, prefill_first, token budget) of each run, in order: a mixed one once per budget; a name that comes
     again is told apart by its run's number."""
@@ -151,8 +155,8 @@ def first_token_parts(results, requests, prompts: dict) -> str:
             for part, value in zip(parts, (scheduled - start, launched - scheduled, start + ttft - launched)):
                 part.append(value * 1e3)
     names = ("wait for a step", "schedule and launch", "launch to first token")
-    return ", ".join(f"{name} {percentile(part, 50):.2f} / {percentile(part, 90):.2f}"
-                     for name, part in zip(names, parts) if part) + f" ({len(parts[0])} requests)"
+    return ", ".join(f"{name} {p50_p90(part)}" for name, part in zip(names, parts) if part) + \
+        f" ({len(parts[0])} requests)"
 
 
 def device_parts(events: list) -> str:
@@ -164,9 +168,6 @@ def device_parts(events: list) -> str:
         kind = "with prompt tokens" if prompt else "after one" if i and events[i - 1][2] else "other"
         idle = events[i - 1][1].elapsed_time(start) if i else 0.0
         kinds[kind].append((start.elapsed_time(end), max(idle, 0.0)))
-
-    def p50_p90(values):
-        return f"{percentile(values, 50):.2f} / {percentile(values, 90):.2f}"
     return "; ".join(f"{kind} ({len(pairs)}): work {p50_p90([w for w, _ in pairs])}, idle before "
                      f"{p50_p90([i for _, i in pairs])}" for kind, pairs in kinds.items() if pairs)
 

@@ -57,8 +57,8 @@ def apply(variant: dict, intermediate_size: int):
     from nanovllm.layers import triton_attention, triton_skinny
     for name, attribute in SETTINGS.items():
         if name in variant and attribute:  # (a setting by the cache's bytes an element takes the value for each)
-            tuned = getattr(triton_attention, attribute)
-            setattr(triton_attention, attribute, dict.fromkeys(tuned, variant[name]) if isinstance(tuned, dict)
+            current = getattr(triton_attention, attribute)
+            setattr(triton_attention, attribute, dict.fromkeys(current, variant[name]) if isinstance(current, dict)
                     else variant[name])
     if "splits" in variant:
         heuristic = triton_attention.decode_splits

@@ -283,10 +283,10 @@ if triton is not None:
 
 def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kv_itemsize: int = 2) -> int:
     """How many chunks decode cuts each sequence's keys into: 1 when the programs fill the GPU."""
-    programs = batch * num_kv_heads
-    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM[min(kv_itemsize, 2)] * num_sms:  # (float32 splits as bf16 does)
+    programs, itemsize = batch * num_kv_heads, min(kv_itemsize, 2)  # (float32 splits as bf16 does)
+    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM[itemsize] * num_sms:
         return 1
-    return max(2, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS_PER_SM[min(kv_itemsize, 2)] * num_sms // programs))
+    return max(2, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS_PER_SM[itemsize] * num_sms // programs))
 
 
 def decode_tile(head_dim: int, kv_itemsize: int) -> tuple[int, int, int]:
@@ -443,8 +443,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=False, PAGED=paged, SPLIT=splits > 1, TILE_MAP=tile_map is not None,
         SPLIT_SEQS=VARLEN_SPLIT_SEQS, ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1, num_warps=VARLEN_WARPS,
-        num_stages=VARLEN_STAGES,
-        **args, **pdl_args(q.device))
+        num_stages=VARLEN_STAGES, **args, **pdl_args(q.device))
     if splits > 1:
         merge_splits(partial, lse, out, (meta.context_lens, MIN_SPLIT_TOKENS, tile), cu_seqlens_q=meta.cu_seqlens_q)
     return out
