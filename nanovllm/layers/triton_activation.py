@@ -28,7 +28,7 @@ if triton is not None:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if triton is None:
-        raise RuntimeError(f"Triton is not available: {_TRITON_ERROR!r}")
+        raise RuntimeError(f"the Triton silu(gate) * up kernel needs a working Triton: {_TRITON_ERROR!r}")
     assert x.size(-1) % 2 == 0 and x.stride(-1) == 1
     n = x.size(-1) // 2
     rows = x.reshape(-1, 2 * n)
