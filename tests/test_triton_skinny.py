@@ -5,7 +5,7 @@ a GPU in bf16. Then the layers that route to it, and a model whose decode steps 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from tests.conftest import assert_greedy_matches_hf, compile_for_sm90
 
@@ -20,12 +20,15 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6
 
 
+def normed(x, norm_weight=None):
+    """x in float64, through RMSNorm if it has a weight."""
+    x = x.double()
+    return x if norm_weight is None else x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight.double()
+
+
 def reference(x, w, b=None, norm_weight=None, gated=False, residual=None):
     """The unfused layers in float64: RMSNorm, the product and bias, silu(gate) * up, the residual."""
-    x = x.double()
-    if norm_weight is not None:
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight.double()
-    y = x @ w.double().T + (b.double() if b is not None else 0)
+    y = normed(x, norm_weight) @ w.double().T + (b.double() if b is not None else 0)
     if gated:
         gate, up = y.chunk(2, -1)
         y = F.silu(gate) * up
@@ -34,6 +37,20 @@ def reference(x, w, b=None, norm_weight=None, gated=False, residual=None):
 
 def rel_error(out, expected):
     return ((out.double().cpu() - expected).norm() / expected.norm()).item()
+
+
+def float32_bound(x, w, b, norm_weight, gated, expected, tolerance=1e-5, c=4.0):
+    """A bound for `rel_error` that float32 sums meet however the output cancels: `tolerance`, or `c` float32 eps of
+    each product's sum of absolute terms (|norm(x)| @ |w|.T + |b|), times the output's derivative in that product
+    (silu(gate) * up's in gate and in up), relative to the output: the example's gate, -0.0054 from terms of
+    ~10.5, puts torch's own float32 layers 4.5e-5 off."""
+    x, bias = normed(x, norm_weight), b.double() if b is not None else 0
+    terms = x.abs() @ w.double().abs().T + abs(bias)
+    if gated:
+        (gate, up), (gate_terms, up_terms) = (x @ w.double().T + bias).chunk(2, -1), terms.chunk(2, -1)
+        sig = torch.sigmoid(gate)
+        terms = (up * sig * (1 + gate * (1 - sig))).abs() * gate_terms + (gate * sig).abs() * up_terms
+    return max(tolerance, c * torch.finfo(torch.float32).eps * (terms.norm() / expected.norm()).item())
 
 
 def fused(x, w, b=None, norm_weight=None, gated=False, residual=None, config=None):
@@ -48,9 +65,10 @@ def fused(x, w, b=None, norm_weight=None, gated=False, residual=None, config=Non
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 32), n=st.integers(1, 80), k=st.integers(1, 700), block_k=st.sampled_from([64, 128, 1024]),
        bias=st.booleans(), norm=st.booleans(), gated=st.booleans(), residual=st.booleans(), seed=st.integers(0, 99))
+@example(m=1, n=1, k=323, block_k=64, bias=False, norm=False, gated=True, residual=False, seed=42)  # gate cancels
 def test_skinny_matches_the_unfused_layers(m, n, k, block_k, bias, norm, gated, residual, seed):
-    """Any mix of norm, gate, bias and residual, K in one part (block_k 1024) or many: the unfused layers' result;
-    a second launch finds the counters the first one left at zero."""
+    """Any mix of norm, gate, bias and residual, K in one part (block_k 1024) or many: the unfused layers' result
+    within what float32 sums allow (`float32_bound`); a second launch finds the counters the first one left at zero."""
     gen = torch.Generator().manual_seed(seed)
     rows = 2 * n if gated else n
     x, w = torch.randn(m, k, generator=gen), torch.randn(rows, k, generator=gen) / k ** 0.5
@@ -58,10 +76,11 @@ def test_skinny_matches_the_unfused_layers(m, n, k, block_k, bias, norm, gated, 
     norm_weight = torch.rand(k, generator=gen) + 0.5 if norm else None
     res = torch.randn(m, n, generator=gen) if residual else None
     expected = reference(x, w, b, norm_weight, gated, res)
+    bound = float32_bound(x, w, b, norm_weight, gated, expected)
     for _ in range(2):
         out = fused(x, w, b, norm_weight, gated, res, config=(16, block_k, 4))
         assert out.shape == (m, n) and out.dtype == torch.float32
-        assert rel_error(out, expected) < 1e-5
+        assert rel_error(out, expected) < bound
     if block_k < k:
         assert not triton_skinny._counters[out.device].any()
 
