@@ -1,8 +1,11 @@
 """Bad input gets a clear error before any work starts, and the engine serves the next call normally."""
+import importlib
+
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers import triton_guard
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -79,3 +82,21 @@ def test_bad_requests_leave_engine_usable(llm, prompts, params, error, match):
 def test_prompt_of_exactly_max_model_len_is_served(llm):
     out = llm.generate([list(range(3, 67))], SamplingParams(max_tokens=10), use_tqdm=False)[0]
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 1
+
+
+@pytest.mark.parametrize("module, call, name", [
+    ("triton_activation", lambda m: m.silu_and_mul(None), "silu"),
+    ("triton_attention", lambda m: m.decode_attention(*[None] * 5, scale=1.0), "attention"),
+    ("triton_attention", lambda m: m.varlen_attention(*[None] * 6, scale=1.0), "attention"),
+    ("triton_kvstore", lambda m: m.store_kvcache(*[None] * 5), "KV-cache store"),
+    ("triton_moe", lambda m: m.fused_experts(*[None] * 5), "MoE"),
+    ("triton_rope_store", lambda m: m.rope_store(*[None] * 11), "rope"),
+    ("triton_sampler", lambda m: m.sample_plain(*[None] * 3), "sampler"),
+    ("triton_skinny", lambda m: m.skinny_linear(None, None), "skinny"),
+])
+def test_a_kernel_without_triton_names_itself_and_why(monkeypatch, module, call, name):
+    """Where Triton does not import, calling a kernel says which one and why, not an AttributeError on None."""
+    monkeypatch.setattr(triton_guard, "triton", None)
+    monkeypatch.setattr(triton_guard, "TRITON_ERROR", ImportError("no triton on this test's machine"))
+    with pytest.raises(RuntimeError, match=f"(?s){name}.*no triton on this test's machine"):
+        call(importlib.import_module(f"nanovllm.layers.{module}"))

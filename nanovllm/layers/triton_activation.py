@@ -9,7 +9,7 @@ in `triton_kvstore`.
 """
 import torch
 
-from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton
+from nanovllm.layers.triton_guard import require_triton, tl, triton
 
 BLOCK_ROWS, BLOCK_COLS = 4, 1024
 
@@ -27,8 +27,7 @@ if triton is not None:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if triton is None:
-        raise RuntimeError(f"the Triton silu(gate) * up kernel needs a working Triton: {_TRITON_ERROR!r}")
+    require_triton("the Triton silu(gate) * up kernel")
     assert x.size(-1) % 2 == 0 and x.stride(-1) == 1
     n = x.size(-1) // 2
     rows = x.reshape(-1, 2 * n)

@@ -35,8 +35,8 @@ import torch
 from nanovllm.layers import triton_kvstore
 from nanovllm.layers.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata
 
-from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton, triton_available
-from nanovllm.layers.triton_guard import num_sms as _num_sms, pdl_args
+from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, num_sms as _num_sms, pdl_args, require_triton
+from nanovllm.layers.triton_guard import tl, triton, triton_available
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -299,11 +299,6 @@ def decode_tile(head_dim: int, kv_itemsize: int) -> tuple[int, int, int]:
     return (keys, 4, 3) if head_dim <= 128 else (keys // 2, 4, 3)
 
 
-def _check_triton():
-    if triton is None:
-        raise RuntimeError(f"the Triton attention kernels need a working Triton: {_TRITON_ERROR!r}")
-
-
 def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the products: see the module docstring."""
     if q_dtype == torch.float32 or kv_dtype != FP8_DTYPE:
@@ -338,7 +333,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     go out (longest context first: on bench.py's ragged contexts, 100 to 2,048 tokens, the H200 read the cache
     9-17% faster at 96-256 sequences than in batch order; None: batch order). The other keyword-only arguments
     override the tuned choices (benchmarks and tests)."""
-    _check_triton()
+    require_triton("the Triton attention kernels")
     batch, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.shape == k_cache.shape and v_cache.is_contiguous()
@@ -402,7 +397,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     of each context. With an empty cache (warm-up) it attends over this step's k and v instead. Writes only the
     rows of the sequences in `meta` (whose cu_seqlens_q index q's rows), into `out` when given. Through a tile map
     of `meta.tile_map_splits` programs a decode, the decodes' splits are merged by a second kernel."""
-    _check_triton()
+    require_triton("the Triton attention kernels")
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.size(1)
     paged = k_cache.numel() > 0

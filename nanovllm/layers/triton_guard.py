@@ -16,6 +16,12 @@ else:
     TRITON_ERROR = None
 
 
+def require_triton(what: str):
+    """Raises, naming `what` (the kernels a caller launches) and why, where Triton did not import."""
+    if triton is None:
+        raise RuntimeError(f"{what} cannot run: Triton does not import here ({TRITON_ERROR!r})")
+
+
 def triton_available() -> bool:
     """Triton imports and a CUDA device is there to run its kernels."""
     return triton is not None and torch.cuda.is_available()

@@ -17,7 +17,7 @@ import torch
 
 from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX
 
-from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton
+from nanovllm.layers.triton_guard import require_triton, tl, triton
 
 if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -57,8 +57,7 @@ else:
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0):
-    if triton is None:
-        raise RuntimeError(f"the Triton KV-cache store needs a working Triton: {_TRITON_ERROR!r}")
+    require_triton("the Triton KV-cache store")
     num_tokens, num_kv_heads, head_dim = k.shape
     # internal invariants: the layers and the model runner produce these layouts
     assert v.shape == k.shape and k.stride(-1) == 1 and v.stride(-1) == 1

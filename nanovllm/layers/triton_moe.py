@@ -17,7 +17,7 @@ tests do this in float32: the interpreter's bfloat16 dot is not exact).
 """
 import torch
 
-from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, tl, triton
+from nanovllm.layers.triton_guard import require_triton, tl, triton
 
 if triton is not None:
     @triton.jit
@@ -124,8 +124,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
                   expert_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """What `moe.experts_torch` computes: x [T, H], gate_up [E, 2N, H], down [E, H, N], weights and
     expert_ids [T, top_k]."""
-    if triton is None:
-        raise RuntimeError(f"the fused MoE kernels need a working Triton: {_TRITON_ERROR!r}")
+    require_triton("the fused MoE kernels")
     num_tokens, hidden = x.shape
     num_experts, intermediate = gate_up.size(0), gate_up.size(1) // 2
     top_k = expert_ids.size(1)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from nanovllm.layers.attention import FP8_DTYPE
-from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, dependent_start, pdl_args, tl, triton
+from nanovllm.layers.triton_guard import dependent_start, pdl_args, require_triton, tl, triton
 from nanovllm.layers.triton_kvstore import quantize_fp8
 
 if triton is not None:
@@ -124,8 +124,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
                v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
                v_scale: float = 1.0) -> torch.Tensor:
     """The normed, rotated queries [num_tokens, num_heads, head_dim]; the keys and values go to the cache."""
-    if triton is None:
-        raise RuntimeError(f"the fused rope and KV store needs a working Triton: {_TRITON_ERROR!r}")
+    require_triton("the fused rope and KV store")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.size(1)
     # internal invariants: the decoder's qkv split and the model runner produce these layouts

@@ -23,7 +23,7 @@ graph can capture it.
 """
 import torch
 
-from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, num_sms, tl, triton
+from nanovllm.layers.triton_guard import num_sms, require_triton, tl, triton
 
 BLOCK = 1024  # tokens per tile; one Philox call serves four tiles
 PROGRAMS_PER_SM = 2  # parts per row: until rows x parts reach this many programs per SM
@@ -128,8 +128,7 @@ def sample_plain(logits: torch.Tensor, temperatures: torch.Tensor, rng_state: to
                  out: torch.Tensor | None = None, parts: int | None = None) -> torch.Tensor:
     """int64 [rows]: one token per row (into `out` when given); advances `rng_state`'s step on its device.
     `parts` overrides `sampler_parts` (tests)."""
-    if triton is None:
-        raise RuntimeError(f"the Triton sampler needs a working Triton: {_TRITON_ERROR!r}")
+    require_triton("the Triton sampler")
     rows, vocab_size = logits.shape
     # internal invariants: the model runner and the CUDA graphs hand these layouts
     assert logits.stride(1) == 1 and temperatures.shape == (rows,) and temperatures.dtype == torch.float32

@@ -35,7 +35,7 @@ import os
 import torch
 
 from nanovllm.layers.attention import FP8_DTYPE
-from nanovllm.layers.triton_guard import pdl_args, pdl_launch, tl, triton
+from nanovllm.layers.triton_guard import pdl_args, pdl_launch, require_triton, tl, triton
 from nanovllm.layers.triton_kvstore import quantize_fp8
 from nanovllm.layers.triton_rope_store import RopeStoreArgs, norm_and_rotate
 
@@ -281,6 +281,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     cache's head_dim); its q columns come out normed and rotated, and k and v also go to the cache, as
     `triton_rope_store.rope_store(q, k, v, *rope)` does. `config` (block_n, block_k, num_warps) overrides
     `plan` (tests, benchmarks)."""
+    require_triton("the skinny projection")
     m, k = x.shape
     n = w.size(0) // 2 if gated else w.size(0)
     assert w.size(1) == k and m <= MAX_ROWS and (not gated or w.size(0) == 2 * n)
