@@ -92,25 +92,25 @@ def allocate_row(num_blocks: int, repeat: int, rng: random.Random) -> dict:
     return {"hit": median_ms(hit), "miss": median_ms(miss), "retry": median_ms(retry)}
 
 
-class CountingTokenizer:
-    """The tokenizer, counting its decode calls."""
+class Counting:
+    """A function, counting its calls."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.decodes = tokenizer, 0
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
 
-    def decode(self, *args, **kwargs):
-        self.decodes += 1
-        return self.tokenizer.decode(*args, **kwargs)
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
 
 
 def handle_row(tokenizer, how: str, num_tokens: int, rng: random.Random) -> dict:
     """Per token: seconds on the loop thread, seconds in the reader, decodes (the last one's finish excluded)."""
-    counting = CountingTokenizer(tokenizer)
     stop = ["never there"] if how == "stop string" else []
     params = SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True, stop=stop)
     seq = Sequence([rng.randrange(3, 500) for _ in range(200)], params)
     loop = SimpleNamespace(need_progress=lambda: None)
-    handle = RequestHandle(loop, counting, threading.Lock(), seq, stream=True)
+    handle = RequestHandle(loop, tokenizer, threading.Lock(), seq, stream=True)
+    handle._detokenizer.decode = counting = Counting(handle._detokenizer.decode)  # the per-token decodes
     event_loop = None
     if how == "asyncio listener":
         event_loop = asyncio.new_event_loop()  # not running: its queue only collects what is sent
@@ -127,7 +127,7 @@ def handle_row(tokenizer, how: str, num_tokens: int, rng: random.Random) -> dict
             start = time.perf_counter()
             next(increments)
             reader_seconds += time.perf_counter() - start
-    decodes = counting.decodes
+    decodes = counting.calls
     if how == "iterated at the end":  # a reader who comes once the request has finished reads it all
         seq.finish_reason = "length"
         handle._on_finish([])

@@ -9,6 +9,7 @@ import weakref
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine import detokenizer as detokenizer_module
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from tests.conftest import assert_greedy_matches_hf
 
@@ -105,14 +106,21 @@ def test_streamed_pieces_concatenate_to_the_text(llm):
 
 
 def test_only_a_reader_makes_text(llm, monkeypatch):
-    decodes, decode = [], llm.tokenizer.decode
-    monkeypatch.setattr(llm.tokenizer, "decode", lambda *args, **kw: decodes.append(1) or decode(*args, **kw))
+    """A request read through result() decodes once, for its output; a streamed one at each increment too (through
+    the detokenizer's text decoder)."""
+    decodes, decode, make_decoder = [], llm.tokenizer.decode, detokenizer_module.text_decoder
+    monkeypatch.setattr(llm.tokenizer, "decode", lambda *args, **kw: decodes.append("output") or decode(*args, **kw))
+
+    def counting_decoder(tokenizer):
+        inner = make_decoder(tokenizer)
+        return lambda token_ids, skip: decodes.append("increment") or inner(token_ids, skip)
+    monkeypatch.setattr(detokenizer_module, "text_decoder", counting_decoder)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     out = llm.submit(prompts(1, seed=8)[0], params).result(timeout=30)
-    assert len(out["token_ids"]) == 40 and len(decodes) == 1  # the output's text, once
+    assert len(out["token_ids"]) == 40 and decodes == ["output"]
     decodes.clear()
     pieces = [increment["text"] for increment in llm.submit(prompts(1, seed=8)[0], params)]
-    assert "".join(pieces) == out["text"] and len(decodes) > 2
+    assert "".join(pieces) == out["text"] and decodes.count("increment") > 2
 
 
 def test_detokenizer_never_splits_a_character(llm):

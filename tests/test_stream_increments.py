@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from transformers import AutoTokenizer
 
 from nanovllm import SamplingParams
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, text_decoder
 from nanovllm.engine.request import RequestHandle
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
@@ -165,3 +165,22 @@ def test_an_error_follows_the_unread_increments(tokenizer):
         next(increments)
     with pytest.raises(RuntimeError, match="injected"):
         handle.result(timeout=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(token_ids=st.lists(st.integers(0, 511), max_size=12), skip=st.booleans())
+def test_the_text_decoder_gives_the_tokenizers_text(tokenizer, token_ids, skip):
+    """Special tokens (0-2) kept or skipped, bytes that are half a character: the backend's text is decode's."""
+    assert text_decoder(tokenizer)(token_ids, skip) == tokenizer.decode(token_ids, skip_special_tokens=skip)
+
+
+def test_the_text_decoder_skips_the_wrapper_only_where_it_adds_nothing(tokenizer, monkeypatch):
+    """A plain fast tokenizer's text comes from its backend; one that cleans up spaces (the backend does not), or
+    a wrapper, is asked through its own decode."""
+    calls = []
+    monkeypatch.setattr(tokenizer, "decode", lambda *args, **kwargs: calls.append(args) or "wrapper's")
+    assert text_decoder(tokenizer)([5, 6], True) != "wrapper's" and not calls
+    assert text_decoder(CountingTokenizer(tokenizer))([5, 6], True) == "wrapper's"
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    assert text_decoder(tokenizer)([5, 6], True) == "wrapper's"
+    assert len(calls) == 2

@@ -1,5 +1,20 @@
 """Incremental detokenization: the text of a growing list of token ids, for streams and stop strings."""
 import threading
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerFast
+
+
+def text_decoder(tokenizer) -> Callable[[list[int], bool], str]:
+    """decode(token_ids, skip_special_tokens) -> `tokenizer.decode`'s text; for a plain fast tokenizer (the
+    library's decode, no clean-up of spaces) its Rust backend's, without the wrapper's work (5 tokens on CPU: 1.5
+    against 5.0 us; streams and stop strings decode twice a token, on the loop thread)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (backend is not None and cls.decode is PreTrainedTokenizerFast.decode
+            and cls._decode is PreTrainedTokenizerFast._decode and not tokenizer.clean_up_tokenization_spaces):
+        return lambda token_ids, skip: backend.decode(token_ids, skip_special_tokens=skip)
+    return lambda token_ids, skip: tokenizer.decode(token_ids, skip_special_tokens=skip)
 
 
 class IncrementalDetokenizer:
@@ -12,7 +27,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, lock: threading.Lock, skip_special_tokens: bool = False):
-        self.tokenizer, self.lock, self.skip_special_tokens = tokenizer, lock, skip_special_tokens
+        self.decode, self.lock, self.skip_special_tokens = text_decoder(tokenizer), lock, skip_special_tokens
         self.token_ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
         self.text = ""  # the pieces so far
@@ -20,7 +35,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, token_ids: list[int]) -> str:
         with self.lock:
-            return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+            return self.decode(token_ids, self.skip_special_tokens)
 
     def push(self, token_ids: list[int]) -> str:
         self.token_ids.extend(token_ids)
