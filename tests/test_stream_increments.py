@@ -175,12 +175,13 @@ def test_the_text_decoder_gives_the_tokenizers_text(tokenizer, token_ids, skip):
 
 
 def test_the_text_decoder_skips_the_wrapper_only_where_it_adds_nothing(tokenizer, monkeypatch):
-    """A plain fast tokenizer's text comes from its backend; one that cleans up spaces (the backend does not), or
-    a wrapper, is asked through its own decode."""
+    """A plain fast tokenizer's text comes from its backend; one that cleans up spaces, or a wrapper (with a
+    _tokenizer or not), through its own decode."""
     calls = []
     monkeypatch.setattr(tokenizer, "decode", lambda *args, **kwargs: calls.append(args) or "wrapper's")
     assert text_decoder(tokenizer)([5, 6], True) != "wrapper's" and not calls
     assert text_decoder(CountingTokenizer(tokenizer))([5, 6], True) == "wrapper's"
+    assert text_decoder(SimpleNamespace(_tokenizer=1, decode=tokenizer.decode))([5], True) == "wrapper's"
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
     assert text_decoder(tokenizer)([5, 6], True) == "wrapper's"
-    assert len(calls) == 2
+    assert len(calls) == 3
