@@ -184,4 +184,9 @@ def test_the_text_decoder_skips_the_wrapper_only_where_it_adds_nothing(tokenizer
     assert text_decoder(SimpleNamespace(_tokenizer=1, decode=tokenizer.decode))([5], True) == "wrapper's"
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
     assert text_decoder(tokenizer)([5, 6], True) == "wrapper's"
-    assert len(calls) == 3
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", False)
+    base = type(tokenizer)
+    for method in ("decode", "_decode"):  # a subclass with its own
+        monkeypatch.setattr(tokenizer, "__class__", type("Own", (base,), {method: lambda *args: None}))
+        assert text_decoder(tokenizer)([5], True) == "wrapper's"
+    assert len(calls) == 5
