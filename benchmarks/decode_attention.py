@@ -19,7 +19,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanovllm.layers.attention import FP8_DTYPE, AttentionMetadata  # noqa: E402
+from nanovllm.layers.attention import FP8_DTYPE, AttentionMetadata, values_as_cache  # noqa: E402
 from nanovllm.layers import triton_attention  # noqa: E402
 from nanovllm.layers.triton_attention import decode_attention  # noqa: E402
 
@@ -62,7 +62,7 @@ class Problem:
         self.k = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         self.v = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         self.k8 = self.k.to(FP8_DTYPE) if fp8 else None
-        self.v8 = self.v.to(FP8_DTYPE) if fp8 else None
+        self.v8 = values_as_cache(self.v.to(FP8_DTYPE)) if fp8 else None  # (chunked where `value_chunk` says)
         self.q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         tables = torch.randperm(num_blocks, dtype=torch.int32, device="cuda").view(batch, blocks_per_seq)
         draw = torch.Generator().manual_seed(0)

@@ -42,7 +42,7 @@ def resources(name: str, block_m: int, tile: tuple[int, int, int]) -> str:
                       RESIDUAL=residual, SPLIT=parts > 1,
                       NORM_PARTS=triton_skinny.norm_parts(parts, block_m, norm), PDL=True,
                       DOT_PRECISION="tf32", ROPE=rope, NUM_HEADS=NUM_HEADS if rope else 0,
-                      NUM_KV_HEADS=NUM_KV_HEADS if rope else 0, QK_NORM=rope, QUANTIZE=False)
+                      NUM_KV_HEADS=NUM_KV_HEADS if rope else 0, QK_NORM=rope, QUANTIZE=False, BLOCK_SIZE=256, V_CHUNK=0)
     source = ASTSource(triton_skinny._skinny_kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")},
                        constexprs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.layers.attention import FP8_DTYPE, TorchBackend, quantize_kv
+from nanovllm.layers.attention import (FP8_DTYPE, VALUE_CHUNK, TorchBackend, quantize_kv, value_slots,
+                                      values_as_cache)
 from tests.conftest import compile_for_sm90
 from tests.test_gpu_attention import CASES, make_meta, random_block_tables
 
@@ -43,8 +44,9 @@ def make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block
     used[block_tables[block_tables >= 0].long()] = True
     for cache in caches:
         cache[~used] = float("nan")  # a block outside every table must never be read
-    if kv_fp8:
+    if kv_fp8:  # the values laid out as the engine's cache holds them (chunked where `value_chunk` says)
         caches = [quantize_kv(c, s, FP8_DTYPE) for c, s in zip(caches, (K_SCALE, V_SCALE))]
+        caches[1] = values_as_cache(caches[1])
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen) * q_gain
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
@@ -56,7 +58,8 @@ def make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block
 def reference(q, k, v, caches, meta, kv_fp8, paged=True):
     """TorchBackend in float64 on CPU, on exactly the values the kernel sees."""
     scales = (K_SCALE, V_SCALE) if kv_fp8 else (1.0, 1.0)
-    ref_caches = [c.double() * s for c, s in zip(caches, scales)] if paged else [torch.empty(0)] * 2
+    in_order = (caches[0], value_slots(caches[1]).flatten(1, 2)) if paged else ()  # the values in token order
+    ref_caches = [c.double() * s for c, s in zip(in_order, scales)] if paged else [torch.empty(0)] * 2
     cpu_meta = dataclasses.replace(meta, block_tables=meta.block_tables.cpu())
     scale = q.size(-1) ** -0.5
     return TorchBackend().forward(q.double(), k.double(), v.double(), *ref_caches, cpu_meta, scale)
@@ -638,13 +641,14 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
                       SPLIT=split, TILE_MAP=tile_map, SPLIT_SEQS=0 if decode else triton_attention.VARLEN_SPLIT_SEQS,
                       COMPUTE_DTYPE=tl.float16 if cache == "fp8e4nv" else tl.bfloat16,
                       DOT_PRECISION="tf32", PDL=decode or tile_map, ORDER=decode, PREFETCH=0, LINES=1,
-                      LINE_ELEMENTS=1)  # as launched on an H200
+                      LINE_ELEMENTS=1, V_CHUNK=VALUE_CHUNK if cache == "fp8e4nv" and paged else 0)  # as on an H200
     if split:
         signature["num_splits"] = "i32"
     else:
         constexprs["num_splits"] = 1  # Triton makes an int argument of 1 a constexpr
     if decode:
-        tile, warps, stages = triton_attention.decode_tile(128, 1 if cache == "fp8e4nv" else 2)
+        tile, warps, stages = triton_attention.decode_tile(128, 1 if cache == "fp8e4nv" else 2, split, 256,
+                                                           constexprs["V_CHUNK"])
         line = 128 if cache == "fp8e4nv" else 64
         constexprs.update(QUERY_TILE=1, ROWS=16, KV_TILE=tile, BLOCK_SIZE=256, LINES=128 // line, LINE_ELEMENTS=line,
                           PREFETCH=triton_attention.KV_PREFETCH_TILES if split else 0)
@@ -658,10 +662,12 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
 def test_kernels_compile_for_sm90():
     """The CPU tests run the kernels through Triton's interpreter, which does not type-check them as the compiler
     does (tests/test_triton_rope_store.py had a kernel that passed them and failed to compile on the H200).
-    Attention: decode split over a bf16 cache and unsplit over an FP8 one, prefill over an FP8 cache, a
-    warm-up's over its own keys and a graph's through a tile map, its decodes split or not; the merges of a batch
-    of one's 64 splits, of batch 8's 8 and of a graph's varlen step; the KV store into both caches."""
+    Attention: decode split over a bf16 cache, split and unsplit over an FP8 one (chunked values, each its tile),
+    prefill over an FP8 cache, a warm-up's over its own keys and a graph's through a tile map, its decodes split or
+    not; the merges of a batch of one's 64 splits, of batch 8's 8 and of a graph's varlen step; the KV store into
+    both caches."""
     cases = [attention_case("bf16", decode=True, split=True), attention_case("fp8e4nv", decode=True),
+             attention_case("fp8e4nv", decode=True, split=True),
              attention_case("fp8e4nv", decode=False), attention_case("bf16", decode=False, paged=False),
              attention_case("bf16", decode=False, tile_map=True),
              attention_case("bf16", decode=False, tile_map=True, split=True)]
@@ -681,8 +687,8 @@ def test_kernels_compile_for_sm90():
         cases.append(("nanovllm.layers.triton_kvstore", "_store_kvcache_kernel", dict(
             k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", slot_mapping_ptr="*i64",
             k_token_stride="i32", k_head_stride="i32", v_token_stride="i32", v_head_stride="i32", k_scale="fp32",
-            v_scale="fp32"), dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_BLOCK=8, DIM_BLOCK=128,
-                                  QUANTIZE=cache == "fp8e4nv")))
+            v_scale="fp32"), dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_BLOCK=8, DIM_BLOCK=128, BLOCK_SIZE=256,
+                                  V_CHUNK=VALUE_CHUNK if cache == "fp8e4nv" else 0, QUANTIZE=cache == "fp8e4nv")))
     compile_for_sm90(cases)
 
 

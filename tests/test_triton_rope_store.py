@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from nanovllm.layers.attention import FP8_DTYPE, TorchBackend
+from nanovllm.layers.attention import FP8_DTYPE, VALUE_CHUNK, TorchBackend
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from tests.conftest import compile_for_sm90
@@ -141,5 +141,6 @@ def test_compiles_for_sm90():
                          eps="fp32", k_scale="fp32", v_scale="fp32")
         cases.append(("nanovllm.layers.triton_rope_store", "_rope_store_kernel", signature, dict(
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=128, HEADS_BLOCK=16,
-            KV_HEADS_BLOCK=num_kv_heads, HALF_BLOCK=64, QK_NORM=qk_norm, QUANTIZE=fp8, PDL=qk_norm)))
+            KV_HEADS_BLOCK=num_kv_heads, HALF_BLOCK=64, QK_NORM=qk_norm, QUANTIZE=fp8, PDL=qk_norm, BLOCK_SIZE=256,
+            V_CHUNK=VALUE_CHUNK if fp8 else 0)))
     compile_for_sm90(cases)

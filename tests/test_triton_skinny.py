@@ -14,6 +14,7 @@ if triton_skinny.triton is None:
     pytest.skip("Triton does not import here", allow_module_level=True)
 
 from nanovllm.layers.activation import GeluAndMul, SiluAndMul  # noqa: E402
+from nanovllm.layers.attention import VALUE_CHUNK  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -459,7 +460,7 @@ def test_kernels_compile_for_sm90():
     signature.update(dict.fromkeys(("positions_ptr", "cos_sin_ptr", "slot_ptr", "q_weight_ptr", "k_weight_ptr",
                                     "k_cache_ptr", "v_cache_ptr"), "*bf16"))  # x stands in where there's no rope
     rope_signature = dict(signature, positions_ptr="*i64", cos_sin_ptr="*fp32", slot_ptr="*i64")
-    no_rope = dict(ROPE=False, NUM_HEADS=0, NUM_KV_HEADS=0, QK_NORM=False, QUANTIZE=False)
+    no_rope = dict(ROPE=False, NUM_HEADS=0, NUM_KV_HEADS=0, QK_NORM=False, QUANTIZE=False, BLOCK_SIZE=0, V_CHUNK=0)
     cases = []
     for block_m, block_n, block_k, flags, rope in [
             (16, 16, 1024, (False, True, False, True, False, True), no_rope),
@@ -467,11 +468,12 @@ def test_kernels_compile_for_sm90():
             (16, 16, 1024, (False, False, False, True, True, True), no_rope),
             (16, 32, 256, (True, False, False, False, False, False), no_rope),
             (16, 64, 256, (False, True, False, False, True, True),
-             dict(ROPE=True, NUM_HEADS=16, NUM_KV_HEADS=8, QK_NORM=True, QUANTIZE=False)),
+             dict(ROPE=True, NUM_HEADS=16, NUM_KV_HEADS=8, QK_NORM=True, QUANTIZE=False, BLOCK_SIZE=256, V_CHUNK=0)),
             (32, 64, 256, (False, True, False, False, True, True),
-             dict(ROPE=True, NUM_HEADS=16, NUM_KV_HEADS=8, QK_NORM=True, QUANTIZE=False)),
+             dict(ROPE=True, NUM_HEADS=16, NUM_KV_HEADS=8, QK_NORM=True, QUANTIZE=False, BLOCK_SIZE=256, V_CHUNK=0)),
             (32, 64, 1024, (True, False, False, False, False, False),
-             dict(ROPE=True, NUM_HEADS=14, NUM_KV_HEADS=2, QK_NORM=False, QUANTIZE=True))]:
+             dict(ROPE=True, NUM_HEADS=14, NUM_KV_HEADS=2, QK_NORM=False, QUANTIZE=True, BLOCK_SIZE=256,
+                  V_CHUNK=VALUE_CHUNK))]:
         bias, norm, gated, residual, split, pdl = flags
         sig = signature
         if rope["ROPE"]:

@@ -8,7 +8,9 @@ after a cached prefix, and decode (one query token) are all this one case.
 The cache holds the model's dtype, or FP8 (`float8_e4m3fn`, vLLM's `kv_cache_dtype="fp8"`) with one scale for
 keys and one for values per layer: the store writes `clamp(x / scale, -448, 448)` rounded to FP8, readers use
 `fp8 * scale`. The scales are 1.0, vLLM's default for checkpoints without calibrated ones (why not per head:
-benchmarks/decode_attention_notes.md).
+benchmarks/decode_attention_notes.md). An FP8 cache whose blocks hold a multiple of VALUE_CHUNK tokens keeps its
+values key-major in chunks (`value_chunk`): the Triton kernels' products take values along the keys, and 8-bit
+values laid out along the dims had to be gathered a byte at a time.
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
@@ -19,6 +21,10 @@ from torch import nn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn; the store saturates there (a cast would give NaN)
+# keys a chunk of an FP8 cache's values (`value_chunk`). H200, Qwen3-0.6B's heads, Triton decode kernel against the
+# values laid out as the keys (benchmarks/decode_attention_notes.md, run 11): 256 x 1k 165.3 -> 141.2 us, 128 x 4k
+# 348.2 -> 269.5, 32 x 4k 96.8 -> 82.8, 1 x 16k 25.9 -> 23.1
+VALUE_CHUNK = 64
 
 
 @dataclass(slots=True)
@@ -93,6 +99,33 @@ def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Te
     return x.to(dtype) * scale if x.dtype == FP8_DTYPE else x.to(dtype)
 
 
+def value_chunk(v_cache: torch.Tensor) -> int:
+    """Keys a chunk of this value cache, 0 where it is laid out as the keys ([block, key, kv head, dim]). An FP8 cache
+    of blocks of a multiple of VALUE_CHUNK tokens holds them [block, kv head, chunk, dim, key of the chunk]: a dim of
+    a chunk's keys is one row of 64 bytes, which the Triton kernels load as they load a key."""
+    return VALUE_CHUNK if v_cache.dtype == FP8_DTYPE and v_cache.size(1) % VALUE_CHUNK == 0 else 0
+
+
+def value_slots(v_cache: torch.Tensor) -> torch.Tensor:
+    """v_cache as [num_blocks, chunks a block, keys a chunk, kv heads, head_dim] whatever its layout: a view, so
+    writes reach the cache; a block's tokens in order are `[block].flatten(0, 1)`."""
+    num_blocks, block_size, num_kv_heads, head_dim = v_cache.shape
+    chunk = value_chunk(v_cache)
+    if not chunk:
+        return v_cache.unsqueeze(1)
+    return v_cache.as_strided((num_blocks, block_size // chunk, chunk, num_kv_heads, head_dim),
+                              (block_size * num_kv_heads * head_dim, chunk * head_dim, 1, block_size * head_dim, chunk))
+
+
+def values_as_cache(values: torch.Tensor) -> torch.Tensor:
+    """A value cache holding `values` ([num_blocks, block_size, kv heads, head_dim] in token order, the cache's
+    dtype), laid out as `value_chunk` says (tests and benchmarks build caches with it)."""
+    cache = torch.empty_like(values)
+    slots = value_slots(cache)
+    slots.copy_(values.reshape(slots.shape))
+    return cache
+
+
 class TorchBackend(AttentionBackend):
     """Pure PyTorch, any device: the reference every other backend is tested against."""
     name = "torch"
@@ -102,7 +135,9 @@ class TorchBackend(AttentionBackend):
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
         k_cache.view(-1, *k_cache.shape[2:])[slots] = quantize_kv(k[valid], k_scale, k_cache.dtype)
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = quantize_kv(v[valid], v_scale, v_cache.dtype)
+        chunk = value_chunk(v_cache) or v_cache.size(1)
+        block, key = slots // v_cache.size(1), slots % v_cache.size(1)
+        value_slots(v_cache)[block, key // chunk, key % chunk] = quantize_kv(v[valid], v_scale, v_cache.dtype)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         query_lens = meta.query_lens_host
@@ -116,7 +151,7 @@ class TorchBackend(AttentionBackend):
                 block_size = k_cache.size(1)
                 blocks = meta.block_tables[i, :(context_len + block_size - 1) // block_size]
                 keys = dequantize_kv(k_cache[blocks].flatten(0, 1)[:context_len], k_scale, q.dtype)
-                values = dequantize_kv(v_cache[blocks].flatten(0, 1)[:context_len], v_scale, q.dtype)
+                values = dequantize_kv(value_slots(v_cache)[blocks].flatten(0, 2)[:context_len], v_scale, q.dtype)
             else:  # no cache yet (a warm-up run): the context is this step's tokens
                 keys, values = k[start:end], v[start:end]
             if num_heads != num_kv_heads:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from nanovllm.layers import triton_kvstore
-from nanovllm.layers.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata
+from nanovllm.layers.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata, value_chunk
 
 from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, num_sms as _num_sms, pdl_args, require_triton
 from nanovllm.layers.triton_guard import tl, triton, triton_available
@@ -103,6 +103,16 @@ if triton is not None:
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pointers], dtype=tl.int32,
                                   is_pure=False, pack=1)
 
+    @triton.jit
+    def _chunk_start(block_table_row, key, valid, kv_head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+        """The offset of `key`'s first dim in a chunked value cache (`triton_kvstore.cache_offsets`); `key` is a
+        multiple of 16, the start of a tile that lies in one block (not `valid`: block 0's)."""
+        block = tl.load(block_table_row + key // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        key = key % BLOCK_SIZE
+        return tl.multiple_of(((block * NUM_KV_HEADS + kv_head) * BLOCK_SIZE + key // CHUNK * CHUNK) * HEAD_DIM +
+                              key % CHUNK, 16)
+
     # Nothing that changes from step to step picks a variant (which would compile mid-serving): not the block
     # table's width, nor the alignment of the metadata, which a mixed step's decodes are sliced off
     # (`split_decodes`; its loads of them are scalar), and which stands in for the unused map and order
@@ -119,7 +129,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
         TILE_MAP: tl.constexpr, SPLIT_SEQS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PDL: tl.constexpr, ORDER: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
-        LINE_ELEMENTS: tl.constexpr,
+        LINE_ELEMENTS: tl.constexpr, V_CHUNK: tl.constexpr,
     ):
         # (`triton_skinny`): the step's metadata is the host's, which no kernel writes: read it while the previous
         # kernel ends; q and this step's keys are the previous kernels', read after the wait
@@ -167,6 +177,11 @@ if triton is not None:
                 lines = (block * BLOCK_SIZE + key_pos % BLOCK_SIZE)[:, None] * kv_token_stride + \
                     kv_head * kv_head_stride + tl.arange(0, LINES)[None, :] * LINE_ELEMENTS
                 _prefetch_l2(k_ptr + lines)
+                if V_CHUNK:  # a tile of whole chunks: its values are one run of bytes, as many lines as its keys'
+                    lines = _chunk_start(block_tables_ptr + seq * block_table_stride, key_begin + start,
+                                         key_begin + start < key_end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                         V_CHUNK) + \
+                        (tl.arange(0, KV_TILE)[:, None] * LINES + tl.arange(0, LINES)[None, :]) * LINE_ELEMENTS
                 _prefetch_l2(v_ptr + lines)
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -200,7 +215,16 @@ if triton is not None:
             offsets = kv_row[:, None] * kv_token_stride + kv_head * kv_head_stride + dims[None, :]
             kv_mask = key_valid[:, None] & dim_valid[None, :]
             k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
-            v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+            if V_CHUNK:  # [chunk, dim, key of the chunk] (`value_chunk`), the tile inside one block: rows of V_CHUNK
+                # keys, which load as the keys' rows of dims do. Past the context they read the block's other keys,
+                # finite (the cache starts zeroed, the store saturates), which p weighs 0
+                in_block = tl.arange(0, KV_TILE) % V_CHUNK + (tl.arange(0, KV_TILE) // V_CHUNK) * (V_CHUNK * HEAD_DIM)
+                v_offsets = _chunk_start(block_tables_ptr + seq * block_table_stride, start, True, kv_head,
+                                         NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CHUNK) + in_block[:, None] + \
+                    dims[None, :] * V_CHUNK
+                v = tl.load(v_ptr + v_offsets).to(COMPUTE_DTYPE)
+            else:
+                v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(key_pos[None, :] <= q_pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -289,11 +313,16 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kv_itemsize: int 
     return max(2, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS_PER_SM[itemsize] * num_sms // programs))
 
 
-def decode_tile(head_dim: int, kv_itemsize: int) -> tuple[int, int, int]:
+def decode_tile(head_dim: int, kv_itemsize: int, split: bool = False, block_size: int = 0,
+                v_chunk: int = 0) -> tuple[int, int, int]:
     """(keys per iteration, warps, pipeline stages) of the decode kernel, tuned on an H200 at head_dim 128: 16 KB
-    of keys an iteration, 4 warps; over FP8, whose conversions bound it more than its bytes, 64 keys and 2 warps
-    (8-30% faster than 128 keys and 4 warps at each of 7 shapes, benchmarks/decode_attention_notes.md)."""
+    of keys an iteration, 4 warps. Over FP8 64 keys and 2 warps (8-30% faster than 128 keys and 4 warps at each of 7
+    shapes, when its values were laid out as its keys); with chunked values (`value_chunk`) an unsplit batch takes
+    128 keys and 4 warps where a block holds whole tiles of them (256 x 1k 148.8 -> 141.2 us, 128 x 4k 319.4 ->
+    269.5), a split one still 64 and 2 (32 x 4k 82.8 against 98.0; benchmarks/decode_attention_notes.md, run 11)."""
     if kv_itemsize == 1:
+        if v_chunk and head_dim <= 128 and not split and block_size % 128 == 0:
+            return 128, 4, 3
         return (64, 2, 3) if head_dim <= 128 else (64, 4, 3)
     keys = 64 * 2 // kv_itemsize
     return (keys, 4, 3) if head_dim <= 128 else (keys // 2, 4, 3)
@@ -342,8 +371,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = decode_splits(batch, kv_heads, _num_sms(q.device), k_cache.element_size())
     if min_split_tokens is None:
         min_split_tokens = MIN_SPLIT_TOKENS if num_splits <= PER_THREAD_SPLITS else MIN_SPLIT_TOKENS_TILE_MERGE
-    tile, warps, stages = decode_tile(head_dim, k_cache.element_size())
+    v_chunk = value_chunk(v_cache)
+    tile, warps, stages = decode_tile(head_dim, k_cache.element_size(), num_splits > 1, block_size, v_chunk)
     tile, warps, stages = kv_tile or tile, num_warps or warps, num_stages or stages
+    assert not v_chunk or block_size % tile == 0, "a tile of a chunked value cache lies in one block"
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.is_contiguous()
@@ -366,7 +397,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits=num_splits, min_split_tokens=min_split_tokens, QUERY_TILE=1, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, TILE_MAP=False, SPLIT_SEQS=0,
         ORDER=order is not None, PREFETCH=prefetch, LINES=max(1, args["DIM_PAD"] // line), LINE_ELEMENTS=line,
-        num_warps=warps, num_stages=stages, **args, **pdl)
+        V_CHUNK=v_chunk, num_warps=warps, num_stages=stages, **args, **pdl)
     if split:
         merge_splits(partial, lse, out, (context_lens, min_split_tokens, tile))
     return out
@@ -419,6 +450,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     query_tile = varlen_query_tile(num_heads // kv_heads)
     rows = query_tile * args["GROUP_PAD"]
     tile = VARLEN_KV_TILE if head_dim <= 128 else VARLEN_KV_TILE // 2
+    assert not (paged and value_chunk(values)) or block_size % tile == 0, "a tile of chunked values lies in a block"
     tile_map, splits = meta.tile_map, meta.tile_map_splits if paged else 1
     if tile_map is None:
         grid = (triton.cdiv(meta.max_seqlen_q, query_tile), meta.cu_seqlens_q.numel() - 1, kv_heads)
@@ -437,8 +469,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         q.stride(0), q.stride(1), token_stride, head_stride, meta.block_tables.stride(0),
         num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=False, PAGED=paged, SPLIT=splits > 1, TILE_MAP=tile_map is not None,
-        SPLIT_SEQS=VARLEN_SPLIT_SEQS, ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1, num_warps=VARLEN_WARPS,
-        num_stages=VARLEN_STAGES, **args, **pdl_args(q.device))
+        SPLIT_SEQS=VARLEN_SPLIT_SEQS, ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1,
+        V_CHUNK=value_chunk(values) if paged else 0, num_warps=VARLEN_WARPS, num_stages=VARLEN_STAGES, **args,
+        **pdl_args(q.device))
     if splits > 1:
         merge_splits(partial, lse, out, (meta.context_lens, MIN_SPLIT_TOKENS, tile), cu_seqlens_q=meta.cu_seqlens_q)
     return out

@@ -7,7 +7,8 @@ Contract, the same as `TorchBackend.store_kvcache`:
 - slot_mapping: int32 or int64 [num_tokens], the flat slot `block * block_size + offset` of each token; -1 writes
   nothing (the padding of a captured CUDA graph);
 - an FP8 cache (`float8_e4m3fn`) stores `clamp(x / scale, -448, 448)` rounded to nearest, bit for bit what
-  `nanovllm.layers.attention.quantize_kv` computes; other caches take the values as they are (scales of 1).
+  `nanovllm.layers.attention.quantize_kv` computes; other caches take the values as they are (scales of 1);
+- values go where `nanovllm.layers.attention.value_chunk` says (`cache_offsets`).
 
 One program per token copies all of its heads, so a launch is a fixed grid that a CUDA graph can capture.
 Triton is imported under a guard: on a machine without a working Triton the module still imports, and only
@@ -15,7 +16,7 @@ calling `store_kvcache` fails.
 """
 import torch
 
-from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX
+from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX, value_chunk
 
 from nanovllm.layers.triton_guard import require_triton, tl, triton
 
@@ -29,10 +30,21 @@ if triton is not None:
         return tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -_FP8_MAX), _FP8_MAX)
 
     @triton.jit
+    def cache_offsets(slot, head, dims, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+        """Where (slot, kv head, dim) lies in a cache (broadcast together): [block, key, kv head, dim], or with CHUNK
+        (`value_chunk`) [block, kv head, chunk, dim, key of the chunk]."""
+        if CHUNK:
+            block, key = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            return ((block * NUM_KV_HEADS + head) * BLOCK_SIZE + key // CHUNK * CHUNK) * HEAD_DIM + dims * CHUNK + \
+                key % CHUNK
+        return (slot * NUM_KV_HEADS + head) * HEAD_DIM + dims
+
+    @triton.jit
     def _store_kvcache_kernel(
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
         k_token_stride, k_head_stride, v_token_stride, v_head_stride, k_scale, v_scale,
-        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, V_CHUNK: tl.constexpr,
         HEADS_BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, QUANTIZE: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a cache can exceed 2**31 elements
@@ -48,11 +60,12 @@ if triton is not None:
         if QUANTIZE:
             key = quantize_fp8(key, k_scale)
             value = quantize_fp8(value, v_scale)
-        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
-        tl.store(k_cache_ptr + dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + cache_offsets(slot, heads, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, 0),
+                 key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + cache_offsets(slot, heads, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CHUNK),
+                 value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 else:
-    quantize_fp8 = None
+    quantize_fp8 = cache_offsets = None
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -71,7 +84,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     _store_kvcache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_scale, v_scale,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=v_cache.size(1), V_CHUNK=value_chunk(v_cache),
         HEADS_BLOCK=triton.next_power_of_2(num_kv_heads), DIM_BLOCK=triton.next_power_of_2(head_dim),
         QUANTIZE=quantize,
     )

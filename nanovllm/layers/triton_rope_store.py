@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from nanovllm.layers.attention import FP8_DTYPE
+from nanovllm.layers.attention import FP8_DTYPE, value_chunk
 from nanovllm.layers.triton_guard import dependent_start, pdl_args, require_triton, tl, triton
-from nanovllm.layers.triton_kvstore import quantize_fp8
+from nanovllm.layers.triton_kvstore import cache_offsets, quantize_fp8
 
 if triton is not None:
     @triton.jit
@@ -64,7 +64,8 @@ if triton is not None:
         q_weight_ptr, k_weight_ptr, q_token_stride, k_token_stride, v_token_stride, eps, k_scale, v_scale,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
-        QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr,
+        QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        V_CHUNK: tl.constexpr,
     ):
         dependent_start(PDL)  # (`triton_skinny`): q, k and v are the previous kernel's
         token = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a cache can exceed 2**31 elements
@@ -95,11 +96,13 @@ if triton is not None:
             if QUANTIZE:
                 k1, k2 = quantize_fp8(k1, k_scale), quantize_fp8(k2, k_scale)
                 v1, v2 = quantize_fp8(v1, v_scale), quantize_fp8(v2, v_scale)
-            kv_dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_heads * HEAD_DIM + cols
-            tl.store(k_cache_ptr + kv_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(k_cache_ptr + kv_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(v_cache_ptr + kv_dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(v_cache_ptr + kv_dst + half, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+            k_dst = k_cache_ptr + cache_offsets(slot, kv_heads, cols, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, 0)
+            tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(k_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_cache_ptr + cache_offsets(slot, kv_heads, cols, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CHUNK),
+                     v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_cache_ptr + cache_offsets(slot, kv_heads, cols + half, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                                 V_CHUNK), v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 else:
     norm_and_rotate = None
 
@@ -148,5 +151,6 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_BLOCK=triton.next_power_of_2(num_heads), KV_HEADS_BLOCK=triton.next_power_of_2(num_kv_heads),
         HALF_BLOCK=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm, QUANTIZE=quantize, **pdl_args(q.device),
+        BLOCK_SIZE=v_cache.size(1), V_CHUNK=value_chunk(v_cache),
     )
     return out

@@ -34,9 +34,9 @@ import os
 
 import torch
 
-from nanovllm.layers.attention import FP8_DTYPE
+from nanovllm.layers.attention import FP8_DTYPE, value_chunk
 from nanovllm.layers.triton_guard import pdl_args, pdl_launch, require_triton, tl, triton
-from nanovllm.layers.triton_kvstore import quantize_fp8
+from nanovllm.layers.triton_kvstore import cache_offsets, quantize_fp8
 from nanovllm.layers.triton_rope_store import RopeStoreArgs, norm_and_rotate
 
 MAX_ROWS = 32
@@ -65,7 +65,8 @@ if triton is not None:
     def _rope_epilogue(x1, x2, bias1, bias2, out_ptr, rows, cols, head, N, row_mask, cos, sin, slot, w1, w2,
                        k_cache_ptr, v_cache_ptr, eps, k_scale, v_scale,
                        HAS_BIAS: tl.constexpr, HALF: tl.constexpr, NUM_HEADS: tl.constexpr,
-                       NUM_KV_HEADS: tl.constexpr, QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr):
+                       NUM_KV_HEADS: tl.constexpr, QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, V_CHUNK: tl.constexpr):
         """One head of one token per row, x1 and x2 its two halves (float32 sums): q and k normed (QK_NORM) and
         rotated (by each row's cos and sin; w1 and w2 the halves of the head's norm weight), q written to out, k and
         v stored in the cache at the row's slot as `triton_rope_store` does (and to out as projected)."""
@@ -93,10 +94,16 @@ if triton is not None:
             y2 = x2.to(dtype)
             if QUANTIZE:
                 y1, y2 = quantize_fp8(y1, scale), quantize_fp8(y2, scale)
-            dst = cache_ptr + (slot[:, None] * NUM_KV_HEADS + kv_head) * (2 * HALF) + tl.arange(0, HALF)[None, :]
+            dims, key = tl.arange(0, HALF)[None, :], slot[:, None]  # (values: where `value_chunk` says)
+            first = cache_offsets(key, kv_head, dims, NUM_KV_HEADS, 2 * HALF, BLOCK_SIZE, 0)
+            second = first + HALF
+            if V_CHUNK:
+                if not is_k:
+                    first = cache_offsets(key, kv_head, dims, NUM_KV_HEADS, 2 * HALF, BLOCK_SIZE, V_CHUNK)
+                    second = cache_offsets(key, kv_head, dims + HALF, NUM_KV_HEADS, 2 * HALF, BLOCK_SIZE, V_CHUNK)
             store = (row_mask & (slot >= 0))[:, None]
-            tl.store(dst, y1.to(cache_ptr.dtype.element_ty), mask=store)
-            tl.store(dst + HALF, y2.to(cache_ptr.dtype.element_ty), mask=store)
+            tl.store(cache_ptr + first, y1.to(cache_ptr.dtype.element_ty), mask=store)
+            tl.store(cache_ptr + second, y2.to(cache_ptr.dtype.element_ty), mask=store)
 
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, out_ptr, partial_ptr, counter_ptr,
@@ -108,7 +115,8 @@ if triton is not None:
                        SPLIT: tl.constexpr, NORM_PARTS: tl.constexpr, PDL: tl.constexpr,
                        DOT_PRECISION: tl.constexpr,
                        ROPE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                       QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr):
+                       QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       V_CHUNK: tl.constexpr):
         pid_n, part = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         # a second block of w beside the first: up's rows (GATED), or the second half of the head (ROPE: a
@@ -208,7 +216,7 @@ if triton is not None:
             if ROPE:
                 _rope_epilogue(acc, acc_up, bias, bias_up, out_ptr, rows, cols, pid_n, N, row_mask, cos, sin, slot,
                                w1, w2, k_cache_ptr, v_cache_ptr, qk_eps, k_scale, v_scale, HAS_BIAS, BLOCK_N,
-                               NUM_HEADS, NUM_KV_HEADS, QK_NORM, QUANTIZE)
+                               NUM_HEADS, NUM_KV_HEADS, QK_NORM, QUANTIZE, BLOCK_SIZE, V_CHUNK)
             else:
                 _epilogue(acc, acc_up, bias, bias_up, residual, out_ptr, rows, cols, N, mask, HAS_BIAS, GATED,
                           RESIDUAL)
@@ -288,7 +296,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     assert residual is None or (residual.shape == (m, n) and residual.stride(1) == 1)
     block_m = max(16, triton.next_power_of_2(m))
     if rope is None:
-        rope_args, num_kv_heads, head_dim, quantize = (x,) * 7 + (0.0, 1.0, 1.0), 0, 0, False
+        rope_args, num_kv_heads, head_dim, quantize, block_size, v_chunk = (x,) * 7 + (0.0, 1.0, 1.0), 0, 0, False, 0, 0
     else:  # internal invariants: the decoder's layers and the model runner's cache
         assert not gated and residual is None and rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
         num_kv_heads, head_dim = rope.k_cache.shape[2:]
@@ -296,6 +304,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         assert rope.slot_mapping.shape == rope.positions.shape == (m,)
         assert (rope.q_weight is None) == (rope.k_weight is None)
         quantize = rope.k_cache.dtype == FP8_DTYPE
+        block_size, v_chunk = rope.v_cache.size(1), value_chunk(rope.v_cache)
         weights = (rope.q_weight, rope.k_weight) if rope.q_weight is not None else (rope.cos_sin,) * 2  # (unread)
         rope_args = (rope.positions, rope.cos_sin, rope.slot_mapping, *weights, rope.k_cache, rope.v_cache, rope.eps,
                      rope.k_scale, rope.v_scale)
@@ -318,5 +327,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ROPE=rope is not None,
         NUM_HEADS=n // head_dim - 2 * num_kv_heads if rope is not None else 0, NUM_KV_HEADS=num_kv_heads,
         QK_NORM=rope is not None and rope.q_weight is not None, QUANTIZE=quantize,
+        BLOCK_SIZE=block_size, V_CHUNK=v_chunk,
         num_warps=warps, num_stages=1, **pdl_args(x.device))
     return out
