@@ -10,9 +10,11 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.attention import BACKEND_NAMES, FP8_DTYPE, resolve_backend_name
+from nanovllm.layers.attention import (BACKEND_NAMES, FP8_DTYPE, VALUE_CHUNK, TorchBackend, quantize_kv,
+                                       resolve_backend_name, value_chunk, value_slots, values_as_cache)
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 
 
@@ -39,9 +41,11 @@ def agreement(hf_model, batch, outputs, device="cpu"):
     return agree / total, worst_gap, worst_logprob
 
 
-def test_fp8_cache_stays_close_to_hf(tiny_model, hf_model):
-    """Block size 16, chunked prefill, prefix-cache hits and mixed steps, all reading the FP8 cache."""
-    llm = LLM(tiny_model, kv_cache_dtype="fp8", kvcache_block_size=16, max_num_batched_tokens=64)
+@pytest.mark.parametrize("block_size", [16, VALUE_CHUNK])
+def test_fp8_cache_stays_close_to_hf(tiny_model, hf_model, block_size):
+    """Chunked prefill, prefix-cache hits and mixed steps, all reading the FP8 cache; its values laid out as the
+    keys (blocks of 16) or in chunks (`value_chunk`)."""
+    llm = LLM(tiny_model, kv_cache_dtype="fp8", kvcache_block_size=block_size, max_num_batched_tokens=64)
     assert llm.model_runner.kv_cache.dtype == FP8_DTYPE
     batch = prompts(8)
     shared = max(batch, key=len)
@@ -54,6 +58,43 @@ def test_fp8_cache_stays_close_to_hf(tiny_model, hf_model):
     print(f"\nFP8 KV, tiny checkpoint: {share:.1%} of {len(batch) * 32} tokens are HF's argmax; worst token "
           f"{gap:.3f} below HF's best; largest logprob error {logprob_error:.3f}")
     assert share >= 0.85 and gap < 0.3 and logprob_error < 0.5  # measured 92.7%, 0.107, 0.301 (2026-11-29)
+
+
+@settings(max_examples=40, deadline=None)
+@given(block_size=st.sampled_from([16, 32, 48, 64, 80, 128, 192, 256]), num_kv_heads=st.integers(1, 3),
+       head_dim=st.sampled_from([8, 16, 24]), fp8=st.booleans(), data=st.data())
+def test_values_lie_where_value_chunk_says(block_size, num_kv_heads, head_dim, fp8, data):
+    """An FP8 cache of blocks of a multiple of VALUE_CHUNK tokens holds a token's value for (kv head, dim) at
+    [block, kv head, key // 64, dim, key % 64]; every other value cache, and every key cache, at [block, key, kv
+    head, dim]. The torch store writes there, `value_slots` reads it back in token order, `values_as_cache` lays
+    token-ordered values out so."""
+    dtype = FP8_DTYPE if fp8 else torch.float32
+    num_blocks = 3
+    chunk = VALUE_CHUNK if fp8 and block_size % VALUE_CHUNK == 0 else 0
+    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+    assert value_chunk(caches[1]) == chunk
+    slots = torch.tensor(data.draw(st.lists(st.integers(0, num_blocks * block_size - 1), min_size=1, max_size=8,
+                                            unique=True)))
+    k, v = (torch.randn(len(slots), num_kv_heads, head_dim) * 4 for _ in range(2))
+    TorchBackend().store_kvcache(k, v, *caches, slots)
+    keys, values = (c.view(torch.uint8).flatten() if fp8 else c.flatten() for c in caches)
+    for i, slot in enumerate(slots.tolist()):
+        block, key = divmod(slot, block_size)
+        for head in range(num_kv_heads):
+            dims = torch.arange(head_dim)
+            flat = (slot * num_kv_heads + head) * head_dim + dims
+            if chunk:
+                where = ((block * num_kv_heads + head) * block_size + key // chunk * chunk) * head_dim + \
+                    dims * chunk + key % chunk
+            else:
+                where = flat
+            want_k, want_v = (quantize_kv(x[i, head], 1.0, dtype) for x in (k, v))
+            assert torch.equal(keys[flat], want_k.view(torch.uint8) if fp8 else want_k)
+            assert torch.equal(values[where], want_v.view(torch.uint8) if fp8 else want_v)
+    in_order = value_slots(caches[1]).flatten(1, 2)  # [block, key, kv head, dim]
+    assert torch.equal(in_order.flatten(0, 1)[slots].float(), quantize_kv(v, 1.0, dtype).float())
+    assert torch.equal(values_as_cache(in_order.contiguous()).view(torch.uint8 if fp8 else dtype), caches[1].view(
+        torch.uint8 if fp8 else dtype))
 
 
 def test_torch_backend_fp8_round_trip():

@@ -514,12 +514,13 @@ def assert_stored_as(got: torch.Tensor, want: torch.Tensor):
         assert (got == want).float().mean() > 0.95  # 99.6% when written
 
 
-@pytest.mark.parametrize("kv_fp8", [False, True])
-def test_triton_store_matches_torch(kv_fp8):
-    """Bit for bit on CUDA (on CPU, FP8 as `assert_stored_as` says)."""
+@pytest.mark.parametrize("kv_fp8, block_size", [(False, 16), (True, 16), (True, VALUE_CHUNK * 2)])
+def test_triton_store_matches_torch(kv_fp8, block_size):
+    """Bit for bit on CUDA (on CPU, FP8 as `assert_stored_as` says); FP8 values laid out as the keys, or in
+    chunks where blocks hold whole chunks."""
     from nanovllm.layers.triton_kvstore import store_kvcache
     gen = torch.Generator().manual_seed(0)
-    num_tokens, num_kv_heads, head_dim, num_blocks, block_size = 21, 3, 80, 5, 16
+    num_tokens, num_kv_heads, head_dim, num_blocks = 21, 3, 80, 5
     qkv = torch.randn(num_tokens, 4 * num_kv_heads * head_dim, generator=gen) * 4
     k = qkv[:, 2 * num_kv_heads * head_dim:3 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
     v = qkv[:, 3 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)

@@ -113,7 +113,7 @@ def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
     """A qkv projection with its rope and KV store in the epilogue (`rope`): the q columns as the projection, the
     head norms and rope would give them, k and v as projected, and the cache as the unfused store leaves it
     (padding slots untouched); heads of 32 and 64, any GQA ratio, biases, the layer's norm, q/k norms, an FP8
-    cache with scales, K in one part or several."""
+    cache with scales (its values laid out as the keys, or in chunks: `value_chunk`), K in one part or several."""
     import random
     from tests.test_triton_attention import assert_stored_as
     from tests.test_triton_rope_store import case, unfused
@@ -124,8 +124,9 @@ def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
     if fp8 and not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("no float8 here")
     m, k = rng.randint(2, 7) if seed % 2 else rng.randint(17, 24), rng.choice([48, 200])  # 16 and 32-row blocks
-    _, _, _, positions, rope, q_norm, k_norm, caches, slots, (k_scale, v_scale) = case(
-        seed, torch.float32, num_heads, num_kv_heads, head_dim, qk_norm, fp8, num_tokens=m)
+    _, _, _, positions, rope, q_norm, k_norm, caches, slots, (k_scale, v_scale) = case(  # seed 5: chunked values
+        seed, torch.float32, num_heads, num_kv_heads, head_dim, qk_norm, fp8, num_tokens=m,
+        block_size=VALUE_CHUNK if seed == 5 else 16)
     gen = torch.Generator().manual_seed(seed)
     n = (num_heads + 2 * num_kv_heads) * head_dim
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k ** 0.5
