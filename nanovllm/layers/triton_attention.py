@@ -177,11 +177,11 @@ if triton is not None:
                 lines = (block * BLOCK_SIZE + key_pos % BLOCK_SIZE)[:, None] * kv_token_stride + \
                     kv_head * kv_head_stride + tl.arange(0, LINES)[None, :] * LINE_ELEMENTS
                 _prefetch_l2(k_ptr + lines)
-                if V_CHUNK:  # a tile of whole chunks: its values are one run of bytes, as many lines as its keys'
+                if V_CHUNK:  # a tile of whole chunks: its values are one run of KV_TILE x HEAD_DIM elements
                     lines = _chunk_start(block_tables_ptr + seq * block_table_stride, key_begin + start,
                                          key_begin + start < key_end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                                         V_CHUNK) + \
-                        (tl.arange(0, KV_TILE)[:, None] * LINES + tl.arange(0, LINES)[None, :]) * LINE_ELEMENTS
+                                         V_CHUNK) + tl.minimum(tl.arange(0, KV_TILE * DIM_PAD // LINE_ELEMENTS) *
+                                                               LINE_ELEMENTS, KV_TILE * HEAD_DIM - 1)
                 _prefetch_l2(v_ptr + lines)
         if PDL:
             tl.extra.cuda.gdc_wait()
