@@ -12,6 +12,7 @@ benchmarks/decode_attention_notes.md). An FP8 cache whose blocks hold a multiple
 values key-major in chunks (`value_chunk`): the Triton kernels' products take values along the keys, and 8-bit
 values laid out along the dims had to be gathered a byte at a time.
 """
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
@@ -23,8 +24,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn; the store saturates there (a cast would give NaN)
 # keys a chunk of an FP8 cache's values (`value_chunk`). H200, Qwen3-0.6B's heads, Triton decode kernel against the
 # values laid out as the keys (benchmarks/decode_attention_notes.md, run 11): 256 x 1k 165.3 -> 141.2 us, 128 x 4k
-# 348.2 -> 269.5, 32 x 4k 96.8 -> 82.8, 1 x 16k 25.9 -> 23.1
-VALUE_CHUNK = 64
+# 348.2 -> 269.5, 32 x 4k 96.8 -> 82.8, 1 x 16k 25.9 -> 23.1. NANOVLLM_VALUE_CHUNK overrides it (0: never chunked)
+VALUE_CHUNK = int(os.environ.get("NANOVLLM_VALUE_CHUNK", 64))
 
 
 @dataclass(slots=True)
@@ -103,7 +104,7 @@ def value_chunk(v_cache: torch.Tensor) -> int:
     """Keys a chunk of this value cache, 0 where it is laid out as the keys ([block, key, kv head, dim]). An FP8 cache
     of blocks of a multiple of VALUE_CHUNK tokens holds them [block, kv head, chunk, dim, key of the chunk]: a dim of
     a chunk's keys is one row of 64 bytes, which the Triton kernels load as they load a key."""
-    return VALUE_CHUNK if v_cache.dtype == FP8_DTYPE and v_cache.size(1) % VALUE_CHUNK == 0 else 0
+    return VALUE_CHUNK if VALUE_CHUNK and v_cache.dtype == FP8_DTYPE and v_cache.size(1) % VALUE_CHUNK == 0 else 0
 
 
 def value_slots(v_cache: torch.Tensor) -> torch.Tensor:
