@@ -291,6 +291,7 @@ VARLEN_CASES = [  # (case, num_heads, num_kv_heads, head_dim, block_size, kv_fp8
     ("mixed", 6, 2, 80, 32, False),
     ("mixed", 3, 3, 64, 256, True),
     ("decode", 16, 2, 64, 16, False),
+    ("prefill", 2, 1, 256, 64, True),  # tiles of 32 keys over chunked values: every second one starts mid-chunk
 ]
 
 
