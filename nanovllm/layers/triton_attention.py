@@ -450,7 +450,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     query_tile = varlen_query_tile(num_heads // kv_heads)
     rows = query_tile * args["GROUP_PAD"]
     tile = VARLEN_KV_TILE if head_dim <= 128 else VARLEN_KV_TILE // 2
-    assert not (paged and value_chunk(values)) or block_size % tile == 0, "a tile of chunked values lies in a block"
+    v_chunk = value_chunk(values) if paged else 0  # (a warm-up's own values are laid out as its keys)
+    assert not v_chunk or block_size % tile == 0, "a tile of chunked values lies in a block"
     tile_map, splits = meta.tile_map, meta.tile_map_splits if paged else 1
     if tile_map is None:
         grid = (triton.cdiv(meta.max_seqlen_q, query_tile), meta.cu_seqlens_q.numel() - 1, kv_heads)
@@ -470,8 +471,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=False, PAGED=paged, SPLIT=splits > 1, TILE_MAP=tile_map is not None,
         SPLIT_SEQS=VARLEN_SPLIT_SEQS, ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1,
-        V_CHUNK=value_chunk(values) if paged else 0, num_warps=VARLEN_WARPS, num_stages=VARLEN_STAGES, **args,
-        **pdl_args(q.device))
+        V_CHUNK=v_chunk, num_warps=VARLEN_WARPS, num_stages=VARLEN_STAGES, **args, **pdl_args(q.device))
     if splits > 1:
         merge_splits(partial, lse, out, (meta.context_lens, MIN_SPLIT_TOKENS, tile), cu_seqlens_q=meta.cu_seqlens_q)
     return out
