@@ -450,7 +450,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     query_tile = varlen_query_tile(num_heads // kv_heads)
     rows = query_tile * args["GROUP_PAD"]
     tile = VARLEN_KV_TILE if head_dim <= 128 else VARLEN_KV_TILE // 2
-    v_chunk = value_chunk(values) if paged else 0  # (a warm-up's own values are laid out as its keys)
+    v_chunk = value_chunk(values) if paged else 0
     assert not v_chunk or block_size % tile == 0, "a tile of chunked values lies in a block"
     tile_map, splits = meta.tile_map, meta.tile_map_splits if paged else 1
     if tile_map is None:
