@@ -129,6 +129,21 @@ def test_decode_splits_reach_the_last_key_of_every_context():
     assert_close(out, expected, torch.float32)
 
 
+@pytest.mark.parametrize("block_size", [16, 48, 256])
+def test_decode_in_one_wave_tiles(block_size):
+    """The tile of an unsplit batch over a 16-bit cache whose programs the GPU holds at once (`decode_tile`'s
+    one_wave: 128 keys), across blocks of 16 and 48 and ending inside a tile and on its edge; float32 here."""
+    contexts = [1, 127, 128, 129, 300, 2 * block_size + 5]
+    q, k, v, caches, meta = make_case([1] * len(contexts), contexts, 4, 2, 128, block_size, False, seed=14)
+    expected = reference(q, k, v, caches, meta, False)
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    tile, warps, stages = triton_attention.decode_tile(128, 2, one_wave=True)
+    assert tile > triton_attention.decode_tile(128, 2)[0]
+    out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 128 ** -0.5,
+                                            num_splits=1, kv_tile=tile, num_warps=warps, num_stages=stages)
+    assert_close(out, expected, torch.float32)
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_of_an_empty_context_writes_zeros(splits, monkeypatch):
     """A row of context 0 (a decode graph's padding row) gets zeros, written by its first split, and the other rows

@@ -53,6 +53,10 @@ SPLIT_BELOW_PROGRAMS_PER_SM = {2: 2, 1: 3}
 # at 8-32: decode_attention_notes.md, run 10)
 SPLIT_TARGET_PROGRAMS_PER_SM = {2: 4, 1: 6}
 MAX_SPLITS = 64
+# an unsplit batch of at most this many programs an SM (the 64-key bf16 kernel's occupancy) takes 128-key tiles: its
+# longest program sets its time. H200, bf16, bench.py's steps of 33-64 sequences 3.43 -> 3.38 ms, `--num-seqs 64`'s
+# 2.64 -> 2.48 (equal contexts of 1,500 at 48 sequences lost, 3.35 -> 3.57: 1.45 waves; decode notes, run 12)
+ONE_WAVE_PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
 # and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
 # batch 1-2 on an H200), which weighs 16 filled splits as fast as 8: at context ~1,000 batch 1 took 0.891-0.894 ->
@@ -314,17 +318,21 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kv_itemsize: int 
 
 
 def decode_tile(head_dim: int, kv_itemsize: int, split: bool = False, block_size: int = 0,
-                v_chunk: int = 0) -> tuple[int, int, int]:
+                v_chunk: int = 0, one_wave: bool = False) -> tuple[int, int, int]:
     """(keys per iteration, warps, pipeline stages) of the decode kernel, tuned on an H200 at head_dim 128: 16 KB
     of keys an iteration, 4 warps. Over FP8 64 keys and 2 warps (8-30% faster than 128 keys and 4 warps at each of 7
     shapes, when its values were laid out as its keys); with chunked values (`value_chunk`) an unsplit batch takes
     128 keys and 4 warps where a block holds whole tiles of them (256 x 1k 148.8 -> 141.2 us, 128 x 4k 319.4 ->
-    269.5), a split one still 64 and 2 (32 x 4k 82.8 against 98.0; benchmarks/decode_attention_notes.md, run 11)."""
+    269.5), a split one still 64 and 2 (32 x 4k 82.8 against 98.0; benchmarks/decode_attention_notes.md, run 11).
+    `one_wave`: an unsplit batch whose programs the GPU holds at once (ONE_WAVE_PROGRAMS_PER_SM): its time is its
+    longest program's, so over a 16-bit cache a program takes 128 keys an iteration (run 12)."""
     if kv_itemsize == 1:
         if v_chunk and head_dim <= 128 and not split and block_size % 128 == 0:
             return 128, 4, 3
         return (64, 2, 3) if head_dim <= 128 else (64, 4, 3)
     keys = 64 * 2 // kv_itemsize
+    if one_wave and kv_itemsize == 2 and head_dim <= 128:
+        return 128, 4, 3
     return (keys, 4, 3) if head_dim <= 128 else (keys // 2, 4, 3)
 
 
@@ -372,7 +380,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if min_split_tokens is None:
         min_split_tokens = MIN_SPLIT_TOKENS if num_splits <= PER_THREAD_SPLITS else MIN_SPLIT_TOKENS_TILE_MERGE
     v_chunk = value_chunk(v_cache)
-    tile, warps, stages = decode_tile(head_dim, k_cache.element_size(), num_splits > 1, block_size, v_chunk)
+    one_wave = num_splits == 1 and batch * kv_heads <= ONE_WAVE_PROGRAMS_PER_SM * _num_sms(q.device)
+    tile, warps, stages = decode_tile(head_dim, k_cache.element_size(), num_splits > 1, block_size, v_chunk,
+                                      one_wave)
     tile, warps, stages = kv_tile or tile, num_warps or warps, num_stages or stages
     assert not v_chunk or block_size % tile == 0, "a tile of a chunked value cache lies in one block"
     if out is None:
