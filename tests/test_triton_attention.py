@@ -144,6 +144,22 @@ def test_decode_in_one_wave_tiles(block_size):
     assert_close(out, expected, torch.float32)
 
 
+def test_decode_takes_one_wave_tiles_while_the_gpu_holds_every_program(monkeypatch):
+    """`decode_attention` asks `decode_tile` for one_wave tiles exactly when the batch is unsplit and its programs
+    (sequences x KV heads) are at most ONE_WAVE_PROGRAMS_PER_SM an SM."""
+    asked = []
+    tile = triton_attention.decode_tile
+    monkeypatch.setattr(triton_attention, "decode_tile", lambda *a: asked.append(a[5]) or tile(*a))
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 1)
+    per_sm = triton_attention.ONE_WAVE_PROGRAMS_PER_SM
+    for batch, splits in ((per_sm // 2, 1), (per_sm // 2 + 1, 1), (1, 2)):  # 2 KV heads a sequence
+        q, k, v, caches, meta = make_case([1] * batch, [40] * batch, 4, 2, 64, 16, False, seed=15)
+        q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+        triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125,
+                                          num_splits=splits)
+    assert asked == [True, False, False]
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_of_an_empty_context_writes_zeros(splits, monkeypatch):
     """A row of context 0 (a decode graph's padding row) gets zeros, written by its first split, and the other rows
