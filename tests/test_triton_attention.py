@@ -131,8 +131,7 @@ def test_decode_splits_reach_the_last_key_of_every_context():
 
 @pytest.mark.parametrize("block_size", [16, 48, 256])
 def test_decode_in_one_wave_tiles(block_size):
-    """The tile of an unsplit batch over a 16-bit cache whose programs the GPU holds at once (`decode_tile`'s
-    one_wave: 128 keys), across blocks of 16 and 48 and ending inside a tile and on its edge; float32 here."""
+    """`decode_tile`'s one_wave tile (128 keys) across blocks of 16 and 48, ending inside a tile and on its edge."""
     contexts = [1, 127, 128, 129, 300, 2 * block_size + 5]
     q, k, v, caches, meta = make_case([1] * len(contexts), contexts, 4, 2, 128, block_size, False, seed=14)
     expected = reference(q, k, v, caches, meta, False)
@@ -145,14 +144,13 @@ def test_decode_in_one_wave_tiles(block_size):
 
 
 def test_decode_takes_one_wave_tiles_while_the_gpu_holds_every_program(monkeypatch):
-    """`decode_attention` asks `decode_tile` for one_wave tiles exactly when the batch is unsplit and its programs
-    (sequences x KV heads) are at most ONE_WAVE_PROGRAMS_PER_SM an SM."""
+    """One_wave tiles exactly when the batch is unsplit and has at most ONE_WAVE_PROGRAMS_PER_SM programs an SM."""
     asked = []
     tile = triton_attention.decode_tile
     monkeypatch.setattr(triton_attention, "decode_tile", lambda *a: asked.append(a[5]) or tile(*a))
     monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 1)
     per_sm = triton_attention.ONE_WAVE_PROGRAMS_PER_SM
-    for batch, splits in ((per_sm // 2, 1), (per_sm // 2 + 1, 1), (1, 2)):  # 2 KV heads a sequence
+    for batch, splits in ((per_sm // 2, 1), (per_sm // 2 + 1, 1), (1, 2)):  # 2 KV heads each
         q, k, v, caches, meta = make_case([1] * batch, [40] * batch, 4, 2, 64, 16, False, seed=15)
         q, k, v, caches = to_device(q, k, v, caches, torch.float32)
         triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125,

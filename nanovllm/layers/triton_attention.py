@@ -54,8 +54,7 @@ SPLIT_BELOW_PROGRAMS_PER_SM = {2: 2, 1: 3}
 SPLIT_TARGET_PROGRAMS_PER_SM = {2: 4, 1: 6}
 MAX_SPLITS = 64
 # an unsplit batch of at most this many programs an SM (the 64-key bf16 kernel's occupancy) takes 128-key tiles: its
-# longest program sets its time. H200, bf16, bench.py's steps of 33-64 sequences 3.43 -> 3.38 ms, `--num-seqs 64`'s
-# 2.64 -> 2.48 (equal contexts of 1,500 at 48 sequences lost, 3.35 -> 3.57: 1.45 waves; decode notes, run 12)
+# longest program sets its time (H200: bench.py's steps of 33-64 sequences 3.43 -> 3.38 ms; decode notes, run 12)
 ONE_WAVE_PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
 # and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
@@ -324,8 +323,7 @@ def decode_tile(head_dim: int, kv_itemsize: int, split: bool = False, block_size
     shapes, when its values were laid out as its keys); with chunked values (`value_chunk`) an unsplit batch takes
     128 keys and 4 warps where a block holds whole tiles of them (256 x 1k 148.8 -> 141.2 us, 128 x 4k 319.4 ->
     269.5), a split one still 64 and 2 (32 x 4k 82.8 against 98.0; benchmarks/decode_attention_notes.md, run 11).
-    `one_wave`: an unsplit batch whose programs the GPU holds at once (ONE_WAVE_PROGRAMS_PER_SM): its time is its
-    longest program's, so over a 16-bit cache a program takes 128 keys an iteration (run 12)."""
+    `one_wave` (ONE_WAVE_PROGRAMS_PER_SM): over a 16-bit cache 128 keys an iteration (run 12)."""
     if kv_itemsize == 1:
         if v_chunk and head_dim <= 128 and not split and block_size % 128 == 0:
             return 128, 4, 3
