@@ -373,14 +373,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, block_size, kv_heads, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.shape == k_cache.shape and v_cache.is_contiguous()
     assert q.stride(-1) == 1 and block_tables.stride(-1) == 1 and num_heads % kv_heads == 0
+    sms, itemsize = _num_sms(q.device), k_cache.element_size()
     if num_splits is None:
-        num_splits = decode_splits(batch, kv_heads, _num_sms(q.device), k_cache.element_size())
+        num_splits = decode_splits(batch, kv_heads, sms, itemsize)
     if min_split_tokens is None:
         min_split_tokens = MIN_SPLIT_TOKENS if num_splits <= PER_THREAD_SPLITS else MIN_SPLIT_TOKENS_TILE_MERGE
     v_chunk = value_chunk(v_cache)
-    one_wave = num_splits == 1 and batch * kv_heads <= ONE_WAVE_PROGRAMS_PER_SM * _num_sms(q.device)
-    tile, warps, stages = decode_tile(head_dim, k_cache.element_size(), num_splits > 1, block_size, v_chunk,
-                                      one_wave)
+    one_wave = num_splits == 1 and batch * kv_heads <= ONE_WAVE_PROGRAMS_PER_SM * sms
+    tile, warps, stages = decode_tile(head_dim, itemsize, num_splits > 1, block_size, v_chunk, one_wave)
     tile, warps, stages = kv_tile or tile, num_warps or warps, num_stages or stages
     assert not v_chunk or block_size % tile == 0, "a tile of a chunked value cache lies in one block"
     if out is None:
@@ -396,7 +396,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if split else out
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device) if split else out
     pdl = pdl_args(q.device)
-    line = 128 // k_cache.element_size()  # elements of a 128-byte line
+    line = 128 // itemsize  # elements of a 128-byte line
     prefetch = KV_PREFETCH_TILES if pdl["PDL"] and split else 0  # (the interpreter runs no PTX)
     _attention_kernel[(num_splits, kv_heads, batch)](
         q, k_cache, v_cache, out, partial, lse, block_tables, context_lens, context_lens, context_lens,
