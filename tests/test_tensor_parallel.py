@@ -77,6 +77,33 @@ def test_vocabulary_that_does_not_divide_is_padded(tmp_path):
         assert_greedy_matches_hf(hf, prompt, out["token_ids"])
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lm_head_writes_its_logits_into_the_buffer_it_is_given(monkeypatch, tp):
+    """A decode graph's logits go straight into its buffer: at TP 2 rank 0's gathered vocabulary, padding cut."""
+    import torch
+    from nanovllm.layers import embed_head
+    torch.manual_seed(0)
+    vocab, hidden = 7, 16
+    weight = torch.randn(vocab + tp - 1, hidden)  # padded to a multiple of the ranks
+    heads = []
+    for rank in range(tp):
+        monkeypatch.setattr(embed_head, "tp_rank", lambda: rank)
+        monkeypatch.setattr(embed_head, "tp_size", lambda: tp)
+        head = embed_head.ParallelLMHead(vocab, hidden)
+        head.weight.data.copy_(weight.narrow(0, rank * head.num_embeddings_per_partition,
+                                             head.num_embeddings_per_partition))
+        heads.append(head)
+    x = torch.randn(3, hidden)
+    parts = [x @ h.weight.t() for h in heads]  # what each rank computes, gathered on rank 0
+    monkeypatch.setattr(embed_head.dist, "gather", lambda mine, into, dst: [p.copy_(q) for p, q in zip(into, parts)])
+    buffer = torch.full((5, vocab), -1.0)
+    got = heads[0](x, buffer[:3])
+    assert got.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer[:3], x @ weight[:vocab].t())
+    assert (buffer[3:] == -1).all()  # rows past the batch untouched
+    torch.testing.assert_close(heads[0](x), buffer[:3])  # without a buffer: the same logits
+
+
 def test_heads_that_do_not_divide_are_refused(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="num_attention_heads=4 does not divide by tensor_parallel_size=3"):
         LLM(tiny_model, tensor_parallel_size=3)

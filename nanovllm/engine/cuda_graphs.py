@@ -88,11 +88,11 @@ class DecodeGraphs:
                                  context_lens=g["context_lens"][:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
                                  max_seqlen_q=1, max_seqlen_k=self.max_model_len, decode_order=g["decode_order"][:bs])
         hidden_states = self.model(input_ids, g["positions"][:bs], meta)
-        logits = self.model.compute_logits(hidden_states)
+        # into the buffer that every size shares, made by the largest batch's warm-up (eager, the first call)
+        logits = self.model.compute_logits(hidden_states, None if self.logits is None else self.logits[:bs])
         if logits is not None:
-            if self.logits is None:  # the largest batch comes first: its buffer serves every size
-                self.logits = torch.empty_like(logits)
-            self.logits[:bs] = logits
+            if self.logits is None:
+                self.logits = logits
             if self.rng_state is not None:
                 sample_plain(logits, g["temperatures"][:bs], self.rng_state, out=self.tokens[:bs])
 

@@ -43,10 +43,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits of the given hidden states; the full vocabulary ends up on rank 0 only (None elsewhere)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`out`: where rank 0 writes its logits (a decode graph's buffer: no copy after the product)."""
         if self.tp_size == 1:
-            return logits
+            return F.linear(x, self.weight) if out is None else torch.mm(x, self.weight.t(), out=out)
+        logits = F.linear(x, self.weight)
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(logits, parts, 0)
-        return torch.cat(parts, -1)[:, :self.num_embeddings] if self.tp_rank == 0 else None
+        if self.tp_rank != 0:
+            return None
+        logits = torch.cat(parts, -1)[:, :self.num_embeddings]
+        return logits if out is None else out.copy_(logits)
