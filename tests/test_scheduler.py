@@ -34,6 +34,34 @@ def test_chunked_prefill_then_decode(tiny_model):
     assert step(s)[0] == {a.seq_id: 1, b.seq_id: 1}  # both decode
 
 
+def test_prefill_first_finishes_a_chunked_prompt_before_decoding(tiny_model):
+    """A chunk that leaves 2 tokens of its prompt: the next step prefills them alone (a step is all prefill or all
+    decode), and only then does the prompt decode beside the others."""
+    s = make_scheduler(tiny_model, max_num_batched_tokens=32, num_kvcache_blocks=64)
+    b, a = Sequence([9] * 4), Sequence([9] * 34)
+    s.add(b)
+    assert step(s)[0] == {b.seq_id: 4}
+    s.add(a)
+    assert step(s)[0] == {a.seq_id: 32}
+    assert step(s)[0] == {a.seq_id: 2}
+    assert step(s)[0] == {b.seq_id: 1, a.seq_id: 1}
+
+
+@pytest.mark.parametrize("prefill_first", [True, False])
+def test_a_prompt_of_max_model_len_is_prefilled_in_chunks_and_gets_one_token(tiny_model, prefill_first):
+    """A prompt as long as max_model_len (the engine takes it) has reached the length limit before its first
+    token: its chunks are still scheduled, and it ends with one token."""
+    s = make_scheduler(tiny_model, prefill_first=prefill_first, max_num_batched_tokens=32, num_kvcache_blocks=64,
+                       max_model_len=80)
+    a = Sequence([9] * 80, SamplingParams(max_tokens=10))
+    s.add(a)
+    assert step(s)[0] == {a.seq_id: 32}
+    assert step(s)[0] == {a.seq_id: 32}
+    plan, finished = step(s)
+    assert plan == {a.seq_id: 16} and finished == [a]
+    assert a.num_completion_tokens == 1 and a.finish_reason == "length"
+
+
 def test_prefill_runs_before_decode(tiny_model):
     s = make_scheduler(tiny_model, num_kvcache_blocks=64)
     a = Sequence([9] * 4)

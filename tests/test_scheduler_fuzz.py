@@ -61,7 +61,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def step(self, data):
+        running_before = {seq.seq_id for seq in self.scheduler.running}
         seqs = self.scheduler.schedule()
+        if self.scheduler.prefill_first:  # nano-vllm's steps: all prefill (prompts, chunks) or all decode
+            decodes = [seq.seq_id in running_before and seq.num_tokens - seq.num_computed_tokens == 1 for seq in seqs]
+            assert all(decodes) or not any(decodes), "a prefill-first step mixes prompts and decodes"
         assert seqs or not self.scheduler.running or self.in_flight, "running sequences but nothing scheduled"
         assert sum(seq.num_scheduled_tokens for seq in seqs) <= self.scheduler.max_num_batched_tokens
         for seq in seqs:
@@ -110,6 +114,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _complete(self, data, sampled, filled, tokens):
         took, done = self.scheduler.complete(sampled, filled, tokens)
+        for seq in took:  # a stop token ends its request at once, unless it came before min_tokens
+            params = seq.params
+            stops = (seq.last_token == EOS and not params.ignore_eos) or seq.last_token in params.stop_token_ids
+            if stops and seq.num_completion_tokens >= params.min_tokens:
+                assert seq.is_finished and seq.finish_reason == "stop"
+            elif stops:
+                assert seq.finish_reason != "stop"
         # the engine ends a request whose text completed a stop string (not before min_tokens)
         for seq in took:
             if (not seq.is_finished and seq.num_completion_tokens >= seq.params.min_tokens
