@@ -494,6 +494,7 @@ W, Q, A, B = 89, 83, 67, 68  # "w", "q", "a", "b" in the tiny tokenizer
     ([A, W, B, B, B, B, B, B, B, B], 6, "awbbbbbbbb", "length"),  # a "w" before min_tokens is never found again
     ([A, W, B, B, B, B, W, B, B, B], 6, "awbbbb", "stop"),  # the next one, after min_tokens, ends it
     ([A, B, B, B, B, W, B, B, B, B], 6, "abbbb", "stop"),  # the 6th token may end it
+    ([A, B, B, B, W, B, B, B, B, B], 6, "abbbwbbbbb", "length"),  # nor when the 6th token comes right after it
     ([A, W, B, B, B, B, B, B, B, B], 0, "a", "stop"),
 ])
 def test_each_stop_string_is_found_once_after_min_tokens(tiny_model, monkeypatch, script, min_tokens, text,
@@ -508,3 +509,17 @@ def test_each_stop_string_is_found_once_after_min_tokens(tiny_model, monkeypatch
     assert out["stop_reason"] == ("w" if reason == "stop" else None)
     assert out["token_ids"] == script[:len(out["token_ids"])]
     assert "".join(pieces) == text
+
+
+def test_a_stop_token_or_the_earliest_stop_string_ends_it(tiny_model, monkeypatch):
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        script_tokens(monkeypatch, llm, [A, W, B, B, B, B, B, B, B, B])
+        # of two stop strings completed by one token, the one that starts first, whatever its place in the list
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=10, stop=["b", "wb"]))[0]
+        assert (out["text"], out["finish_reason"], out["stop_reason"]) == ("a", "stop", "wb")
+        # a stop token ends it without its text, its id the reason, also where stop strings are looked for (one
+        # of them its text)
+        for stop in (["q" * 30], ["w"]):
+            out = llm.generate([PROMPT], SamplingParams(max_tokens=10, stop=stop, stop_token_ids=[W]))[0]
+            assert out["token_ids"] == [A, W] and out["text"] == "a"
+            assert out["finish_reason"] == "stop" and out["stop_reason"] == W
