@@ -13,7 +13,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.penalty_slots import PenaltySlots
 from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import apply_penalties
+from nanovllm.layers.sampler import apply_min_p_top_k_top_p, apply_penalties
 from tests.conftest import full_rebuild_penalties
 
 
@@ -71,6 +71,14 @@ def allowed_set(probs: torch.Tensor, top_k=0, top_p=1.0, min_p=0.0, slack=1e-5) 
         kept_by_p[order[mass_before < top_p + slack]] = True
         keep &= kept_by_p
     return set(keep.nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.5, 2), (0.5001, 3), (0.75, 3), (1.0, 4)])
+def test_top_p_keeps_a_token_while_the_likelier_ones_hold_less(top_p, kept):
+    """vLLM's top-p at its edge: of 4 equally likely tokens (a quarter each, exact in float32), top_p 0.5 keeps 2,
+    as the likelier tokens before a third already hold 0.5."""
+    out = apply_min_p_top_k_top_p(torch.zeros(1, 4), None, None, torch.tensor([top_p]))
+    assert int(out.isfinite().sum()) == kept
 
 
 @pytest.mark.parametrize("controls", [{"top_k": 5}, {"top_p": 0.3}, {"min_p": 0.3}, {"top_k": 20, "top_p": 0.5}])
