@@ -13,7 +13,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.penalty_slots import PenaltySlots
 from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import apply_min_p_top_k_top_p, apply_penalties
+from nanovllm.layers.sampler import Sampler, apply_min_p_top_k_top_p, apply_penalties
 from tests.conftest import full_rebuild_penalties
 
 
@@ -115,6 +115,18 @@ def test_same_seed_same_tokens_in_any_company(llm):
     assert llm.generate([prompt], unseeded, use_tqdm=False)[0]["token_ids"] != alone
 
 
+def test_a_seeded_requests_draws_differ_from_position_to_position():
+    """A seed fixes each position's draw, not one draw for them all: over flat logits, a seeded request's 8
+    tokens are not all the same."""
+    sampler, seq = Sampler(), Sequence([5, 6], SamplingParams(temperature=1.0, seed=3))
+    tokens = []
+    for _ in range(8):
+        batch = build_sampling_batch([seq], frozenset([1]), 64, torch.from_numpy)
+        tokens.append(sampler.sample(torch.zeros(1, 64), batch)[0].item())
+        seq.append_token(tokens[-1])
+    assert len(set(tokens)) > 1
+
+
 def test_same_seed_survives_preemption(tiny_model):
     prompt = prompts(1, seed=4)[0]
     seeded = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=7)
@@ -175,6 +187,9 @@ def test_min_tokens_suppresses_eos(tiny_model, hf_model, tmp_path):
     prompt = prompts(1, seed=8)[0]
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         first = llm.generate([prompt], greedy(1), use_tqdm=False)[0]["token_ids"][0]
+        held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=4,
+                                                     stop_token_ids=[first]), use_tqdm=False)[0]
+    assert first not in held["token_ids"][:4]  # a request's stop tokens are banned before min_tokens too
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     gen_config = json.loads((model / "generation_config.json").read_text())
@@ -186,7 +201,10 @@ def test_min_tokens_suppresses_eos(tiny_model, hf_model, tmp_path):
         assert stopped["stop_reason"] is None and stopped["text"] == ""
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=4),
                            use_tqdm=False)[0]
+        ignored = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, min_tokens=4, ignore_eos=True),
+                               use_tqdm=False)[0]
     assert len(out["token_ids"]) >= 4 and first not in out["token_ids"][:4]
+    assert ignored["token_ids"][0] == first  # with ignore_eos, EOS is an ordinary token: never banned
     # the first token is HF's argmax once EOS is banned, and the rest are plain greedy
     logits = hf_logits(hf_model, prompt)[-1]
     logits[first] = float("-inf")
