@@ -14,7 +14,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.request import RequestHandle
+from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.step_output import StepOutput
 from tests.conftest import in_background, within
 
@@ -200,6 +200,29 @@ def test_close_ends_a_request_the_loop_thread_is_taking_in(tiny_model, monkeypat
     assert taking.wait(30)
     within(30, llm.close)
     assert within(10, handle.result)["finish_reason"] == "abort"
+
+
+def test_close_ends_a_request_nobody_took_in(tiny_model):
+    """A request added (nano-vllm's add_request) and never stepped is still in the inbox when close() comes: it
+    ends aborted, with no token and no prompt token from the cache (it was never admitted)."""
+    llm = LLM(tiny_model, kvcache_block_size=16)
+    handle = llm.add_request(PROMPT, GREEDY)
+    within(30, llm.close)
+    out = within(10, handle.result)
+    assert (out["finish_reason"], out["token_ids"], out["num_cached_tokens"]) == ("abort", [], 0)
+
+
+def test_every_later_call_names_the_first_failure():
+    """A second failure (another worker, a later step) does not hide the first, which caused it."""
+    class Engine:
+        pass
+
+    engine = Engine()
+    loop = EngineLoop(engine)
+    loop.fail(RuntimeError("the first failure"))
+    loop.fail(RuntimeError("the second failure"))
+    with pytest.raises(RuntimeError, match="the first failure"):
+        loop.check()
 
 
 def test_a_step_racing_close_returns_what_it_finished(tiny_model, monkeypatch):
