@@ -1,7 +1,6 @@
 """The batch runner against LLM.generate/chat, every kind of bad line, exit statuses, streaming and the window,
 and the command line built from Config's fields."""
 import dataclasses
-import fcntl
 import json
 import os
 import threading
@@ -11,6 +10,7 @@ import typing
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.batch.results import ResultsFile
 from nanovllm.run_batch import build_parser, main
 from tests.batch_util import CHAT, COMPLETIONS, choices, read_results, request, write_lines
 from tests.conftest import within
@@ -184,9 +184,11 @@ def test_output_problems_are_clear_errors_before_any_work(llm, tiny_model, tmp_p
     assert "foreign.jsonl line 2 is not a result line" in capsys.readouterr().err
     assert foreign.read_text().count("\n") == 3  # untouched
     locked = tmp_path / "locked.jsonl"
-    with open(locked, "w") as holder:
-        fcntl.flock(holder, fcntl.LOCK_EX)
+    first = ResultsFile.open(str(locked))  # as another run holds it (a shared lock would let both write)
+    try:
         assert run(llm, tiny_model, inp, locked) == 2
+    finally:
+        first.close()
     assert "another process is writing" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["-i", inp, "-o", inp, "--model", tiny_model])
