@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.layers.attention import (FP8_DTYPE, VALUE_CHUNK, TorchBackend, quantize_kv, value_slots,
-                                      values_as_cache)
+from nanovllm.layers.attention import (FP8_DTYPE, VALUE_CHUNK, TorchBackend, quantize_kv, value_chunk,
+                                      value_slots, values_as_cache)
 from tests.conftest import compile_for_sm90
 from tests.test_gpu_attention import CASES, make_meta, random_block_tables
 
@@ -136,7 +136,7 @@ def test_decode_in_one_wave_tiles(block_size):
     q, k, v, caches, meta = make_case([1] * len(contexts), contexts, 4, 2, 128, block_size, False, seed=14)
     expected = reference(q, k, v, caches, meta, False)
     q, k, v, caches = to_device(q, k, v, caches, torch.float32)
-    tile, warps, stages = triton_attention.decode_tile(128, 2, one_wave=True)
+    tile, warps, stages = triton_attention.decode_tile(128, 2, False, block_size, 0, True)
     assert tile > triton_attention.decode_tile(128, 2)[0]
     out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 128 ** -0.5,
                                             num_splits=1, kv_tile=tile, num_warps=warps, num_stages=stages)
@@ -156,6 +156,46 @@ def test_decode_takes_one_wave_tiles_while_the_gpu_holds_every_program(monkeypat
         triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125,
                                           num_splits=splits)
     assert asked == [True, False, False]
+
+
+@pytest.mark.parametrize("kv_fp8,block_size", [(False, 128), (True, 128), (False, 48)])
+def test_decode_carries_block_ids_across_tiles(kv_fp8, block_size):
+    """Tiles that each lie in one block take their block ids a tile ahead (`ONE_BLOCK`): contexts of many tiles
+    over shuffled blocks, ending inside a tile, on a tile's edge and on a block's, in the two-in-flight tiles that
+    `decode_tile` gives a deep unsplit batch (over FP8: 64 keys, chunked values). In blocks of 128 the last row, the
+    longest, fills its blocks, so its last tile takes the table's last id. Blocks of 48 hold no whole number of
+    32-key tiles: their keys take their own ids."""
+    head_dim = 128
+    contexts = [1, 64, 65, 128, 129, 383, 700, 6 * block_size]
+    q, k, v, caches, meta = make_case([1] * len(contexts), contexts, 4, 2, head_dim, block_size, kv_fp8, seed=16)
+    expected = reference(q, k, v, caches, meta, kv_fp8)
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    tile, warps, stages = triton_attention.decode_tile(head_dim, caches[0].element_size(), False, block_size,
+                                                       value_chunk(caches[1]), False, 1e3)
+    assert max(contexts) > 4 * tile and stages == 3 and (block_size % tile == 0) == (block_size == 128)
+    split_tile = triton_attention.decode_tile(head_dim, caches[0].element_size(), True, block_size,
+                                              value_chunk(caches[1]))  # one tile in flight: 2 stages carry it
+    assert split_tile[2] == (2 if block_size % split_tile[0] == 0 else 3)
+    assert not kv_fp8 or (value_chunk(caches[1]) and tile == 64)
+    scales = (K_SCALE, V_SCALE) if kv_fp8 else (1.0, 1.0)
+    out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, head_dim ** -0.5,
+                                            *scales, num_splits=1, kv_tile=tile, num_warps=warps, num_stages=stages)
+    assert_close(out, expected, torch.float32)
+
+
+def test_fp8_decode_takes_deep_tiles_from_its_programs_per_sm(monkeypatch):
+    """Over chunked FP8 values an unsplit batch of FP8_DEEP_PROGRAMS_PER_SM programs an SM or more takes 64-key
+    tiles with two in flight, a smaller one 128-key tiles with one (a split one: 64 keys, one)."""
+    asked = []
+    decode_tile = triton_attention.decode_tile
+    monkeypatch.setattr(triton_attention, "decode_tile", lambda *a: asked.append(decode_tile(*a)) or asked[-1])
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 1)
+    deep = triton_attention.FP8_DEEP_PROGRAMS_PER_SM
+    for batch, splits in ((deep // 2, 1), (deep // 2 - 1, 1), (1, 2)):  # 2 KV heads each
+        q, k, v, caches, meta = make_case([1] * batch, [40] * batch, 4, 2, 64, 128, True, seed=17)
+        q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+        triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125, num_splits=splits)
+    assert asked == [(64, 2, 3), (128, 4, 2), (64, 2, 2)]
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -656,8 +696,8 @@ def test_engine_on_triton_kernels_matches_hf(tiny_model, hf_model, monkeypatch, 
     assert splits and any(splits) == (split_decodes == 1)  # mixed steps with decodes ran, split or not
 
 
-def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = False, tile_map: bool = False
-                   ) -> tuple:
+def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = False, tile_map: bool = False,
+                   programs_per_sm: float = 0.0) -> tuple:
     """`_attention_kernel` as `decode_attention` or `varlen_attention` launches it for Qwen3-0.6B in bf16 (16 query
     heads over 8 KV heads, head_dim 128, blocks of 256): a compile case for `compile_for_sm90`."""
     tl = triton_attention.tl
@@ -679,7 +719,7 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
         constexprs["num_splits"] = 1  # Triton makes an int argument of 1 a constexpr
     if decode:
         tile, warps, stages = triton_attention.decode_tile(128, 1 if cache == "fp8e4nv" else 2, split, 256,
-                                                           constexprs["V_CHUNK"])
+                                                           constexprs["V_CHUNK"], False, programs_per_sm)
         line = 128 if cache == "fp8e4nv" else 64
         constexprs.update(QUERY_TILE=1, ROWS=16, KV_TILE=tile, BLOCK_SIZE=256, LINES=128 // line, LINE_ELEMENTS=line,
                           PREFETCH=triton_attention.KV_PREFETCH_TILES if split else 0)
@@ -693,11 +733,13 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
 def test_kernels_compile_for_sm90():
     """The CPU tests run the kernels through Triton's interpreter, which does not type-check them as the compiler
     does (tests/test_triton_rope_store.py had a kernel that passed them and failed to compile on the H200).
-    Attention: decode split over a bf16 cache, split and unsplit over an FP8 one (chunked values, each its tile),
-    prefill over an FP8 cache, a warm-up's over its own keys and a graph's through a tile map, its decodes split or
-    not; the merges of a batch of one's 64 splits, of batch 8's 8 and of a graph's varlen step; the KV store into
+    Attention: decode split and unsplit over a bf16 cache, split and unsplit (both tiles) over an FP8 one (chunked
+    values), prefill over an FP8 cache, a warm-up's over its own keys and a graph's through a tile map, its decodes
+    split or not; the merges of a batch of one's 64 splits, of batch 8's 8 and of a graph's varlen step; the KV store into
     both caches."""
-    cases = [attention_case("bf16", decode=True, split=True), attention_case("fp8e4nv", decode=True),
+    deep = triton_attention.FP8_DEEP_PROGRAMS_PER_SM
+    cases = [attention_case("bf16", decode=True, split=True), attention_case("bf16", decode=True),
+             attention_case("fp8e4nv", decode=True), attention_case("fp8e4nv", decode=True, programs_per_sm=deep),
              attention_case("fp8e4nv", decode=True, split=True),
              attention_case("fp8e4nv", decode=False), attention_case("bf16", decode=False, paged=False),
              attention_case("bf16", decode=False, tile_map=True),

@@ -56,6 +56,9 @@ MAX_SPLITS = 64
 # an unsplit batch of at most this many programs an SM (the 64-key bf16 kernel's occupancy) takes 128-key tiles: its
 # longest program sets its time (H200: bench.py's steps of 33-64 sequences 3.43 -> 3.38 ms; decode notes, run 12)
 ONE_WAVE_PROGRAMS_PER_SM = 4
+# an unsplit batch over FP8 of at least this many programs an SM takes 64-key tiles on 2 warps, two in flight
+# (bench.py's ragged contexts: 256 sequences 149.0 -> 141.1 us, 192 113.2 -> 109.9; decode notes, run 13)
+FP8_DEEP_PROGRAMS_PER_SM = 10
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
 # and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
 # batch 1-2 on an H200), which weighs 16 filled splits as fast as 8: at context ~1,000 batch 1 took 0.891-0.894 ->
@@ -107,11 +110,10 @@ if triton is not None:
                                   is_pure=False, pack=1)
 
     @triton.jit
-    def _chunk_start(block_table_row, key, valid, kv_head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    def _chunk_start(block, key, kv_head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
         """The offset of `key`'s first dim in a chunked value cache (`triton_kvstore.cache_offsets`); `key` is a
-        multiple of 16, the start of a tile that lies in one block (not `valid`: block 0's)."""
-        block = tl.load(block_table_row + key // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        multiple of 16, the start of a tile that lies in `block` (int64)."""
         key = key % BLOCK_SIZE
         return tl.multiple_of(((block * NUM_KV_HEADS + kv_head) * BLOCK_SIZE + key // CHUNK * CHUNK) * HEAD_DIM +
                               key % CHUNK, 16)
@@ -172,17 +174,18 @@ if triton is not None:
         if SPLIT:
             if (split > 0) & (key_begin >= key_end):
                 return  # an empty split writes nothing (the merge counts the splits alike), so it need not wait
+        block_row = block_tables_ptr + seq * block_table_stride
         if PREFETCH:  # the chunk's first keys and values into L2 while the previous kernel ends (`_prefetch_l2`)
             for start in tl.static_range(0, PREFETCH * KV_TILE, KV_TILE):
                 key_pos = key_begin + start + tl.arange(0, KV_TILE)
-                block = tl.load(block_tables_ptr + seq * block_table_stride + key_pos // BLOCK_SIZE,
-                                mask=key_pos < key_end, other=0).to(tl.int64)
-                lines = (block * BLOCK_SIZE + key_pos % BLOCK_SIZE)[:, None] * kv_token_stride + \
+                blocks = tl.load(block_row + key_pos // BLOCK_SIZE, mask=key_pos < key_end, other=0).to(tl.int64)
+                lines = (blocks * BLOCK_SIZE + key_pos % BLOCK_SIZE)[:, None] * kv_token_stride + \
                     kv_head * kv_head_stride + tl.arange(0, LINES)[None, :] * LINE_ELEMENTS
                 _prefetch_l2(k_ptr + lines)
                 if V_CHUNK:  # a tile of whole chunks: its values are one run of KV_TILE x HEAD_DIM elements
-                    lines = _chunk_start(block_tables_ptr + seq * block_table_stride, key_begin + start,
-                                         key_begin + start < key_end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                    tile_block = tl.load(block_row + (key_begin + start) // BLOCK_SIZE,
+                                         mask=key_begin + start < key_end, other=0).to(tl.int64)
+                    lines = _chunk_start(tile_block, key_begin + start, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
                                          V_CHUNK) + tl.minimum(tl.arange(0, KV_TILE * DIM_PAD // LINE_ELEMENTS) *
                                                                LINE_ELEMENTS, KV_TILE * HEAD_DIM - 1)
                 _prefetch_l2(v_ptr + lines)
@@ -206,12 +209,22 @@ if triton is not None:
         m = tl.full([ROWS], -1e30, tl.float32)  # finite: a row that sees no key keeps alpha = 1, p = 0
         l = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
+        # A tile that lies in one block takes its id from the loop before: a block id read in the same iteration
+        # as the keys it addresses makes Triton's pipeliner keep one tile in flight whatever num_stages says,
+        # where a carried one lets it keep num_stages - 1 (two at 3)
+        ONE_BLOCK: tl.constexpr = PAGED and BLOCK_SIZE % KV_TILE == 0
+        if ONE_BLOCK:
+            next_block = tl.load(block_row + key_begin // BLOCK_SIZE, mask=key_begin < key_end, other=0).to(tl.int64)
         for start in range(key_begin, key_end, KV_TILE):
             key_pos = start + tl.arange(0, KV_TILE)
             key_valid = key_pos < key_end
-            if PAGED:
-                block = tl.load(block_tables_ptr + seq * block_table_stride + key_pos // BLOCK_SIZE,
-                                mask=key_valid, other=0).to(tl.int64)
+            if ONE_BLOCK:
+                block = next_block
+                next_block = tl.load(block_row + (start + KV_TILE) // BLOCK_SIZE, mask=start + KV_TILE < key_end,
+                                     other=0).to(tl.int64)
+                kv_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
+            elif PAGED:
+                block = tl.load(block_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
                 kv_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
             else:
                 kv_row = (q_begin + key_pos).to(tl.int64)
@@ -222,9 +235,8 @@ if triton is not None:
                 # keys, which load as the keys' rows of dims do. Past the context they read the block's other keys,
                 # finite (the cache starts zeroed, the store saturates), which p weighs 0
                 in_block = tl.arange(0, KV_TILE) % V_CHUNK + (tl.arange(0, KV_TILE) // V_CHUNK) * (V_CHUNK * HEAD_DIM)
-                v_offsets = _chunk_start(block_tables_ptr + seq * block_table_stride, start, True, kv_head,
-                                         NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CHUNK) + in_block[:, None] + \
-                    dims[None, :] * V_CHUNK
+                v_offsets = _chunk_start(block, start, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CHUNK) + \
+                    in_block[:, None] + dims[None, :] * V_CHUNK
                 v = tl.load(v_ptr + v_offsets).to(COMPUTE_DTYPE)
             else:
                 v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
@@ -317,21 +329,29 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kv_itemsize: int 
 
 
 def decode_tile(head_dim: int, kv_itemsize: int, split: bool = False, block_size: int = 0,
-                v_chunk: int = 0, one_wave: bool = False) -> tuple[int, int, int]:
+                v_chunk: int = 0, one_wave: bool = False, programs_per_sm: float = 0.0) -> tuple[int, int, int]:
     """(keys per iteration, warps, pipeline stages) of the decode kernel, tuned on an H200 at head_dim 128: 16 KB
     of keys an iteration, 4 warps. Over FP8 64 keys and 2 warps (8-30% faster than 128 keys and 4 warps at each of 7
     shapes, when its values were laid out as its keys); with chunked values (`value_chunk`) an unsplit batch takes
     128 keys and 4 warps where a block holds whole tiles of them (256 x 1k 148.8 -> 141.2 us, 128 x 4k 319.4 ->
     269.5), a split one still 64 and 2 (32 x 4k 82.8 against 98.0; benchmarks/decode_attention_notes.md, run 11).
-    `one_wave` (ONE_WAVE_PROGRAMS_PER_SM): over a 16-bit cache 128 keys an iteration (run 12)."""
+    `one_wave` (ONE_WAVE_PROGRAMS_PER_SM): over a 16-bit cache 128 keys an iteration (run 12).
+    Two tiles in flight (3 stages where a block holds whole tiles: the kernel carries their block ids) pay for an
+    unsplit batch past one wave (over FP8 from FP8_DEEP_PROGRAMS_PER_SM programs an SM on, in 64-key tiles on 2
+    warps); elsewhere one (2 stages), as fewer programs would share an SM (run 13). Where tiles cross blocks, the
+    ids read with their keys keep one tile in flight whatever the stages (3, as before)."""
+    deep = not split and not one_wave
     if kv_itemsize == 1:
         if v_chunk and head_dim <= 128 and not split and block_size % 128 == 0:
-            return 128, 4, 3
-        return (64, 2, 3) if head_dim <= 128 else (64, 4, 3)
-    keys = 64 * 2 // kv_itemsize
-    if one_wave and kv_itemsize == 2 and head_dim <= 128:
-        return 128, 4, 3
-    return (keys, 4, 3) if head_dim <= 128 else (keys // 2, 4, 3)
+            deep = programs_per_sm >= FP8_DEEP_PROGRAMS_PER_SM
+            tile, warps = (64, 2) if deep else (128, 4)
+        else:
+            tile, warps, deep = 64, 2 if head_dim <= 128 else 4, False
+    elif one_wave and kv_itemsize == 2 and head_dim <= 128:
+        tile, warps = 128, 4
+    else:
+        tile, warps = 64 * 2 // kv_itemsize // (1 if head_dim <= 128 else 2), 4
+    return tile, warps, 3 if deep or not block_size or block_size % tile else 2
 
 
 def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
@@ -380,7 +400,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         min_split_tokens = MIN_SPLIT_TOKENS if num_splits <= PER_THREAD_SPLITS else MIN_SPLIT_TOKENS_TILE_MERGE
     v_chunk = value_chunk(v_cache)
     one_wave = num_splits == 1 and batch * kv_heads <= ONE_WAVE_PROGRAMS_PER_SM * sms
-    tile, warps, stages = decode_tile(head_dim, itemsize, num_splits > 1, block_size, v_chunk, one_wave)
+    tile, warps, stages = decode_tile(head_dim, itemsize, num_splits > 1, block_size, v_chunk, one_wave,
+                                      batch * kv_heads / sms)
     tile, warps, stages = kv_tile or tile, num_warps or warps, num_stages or stages
     assert not v_chunk or block_size % tile == 0, "a tile of a chunked value cache lies in one block"
     if out is None:
