@@ -160,8 +160,10 @@ def test_a_prefill_runs_while_the_cache_is_sized(tiny_model, monkeypatch):
 def test_kernel_warmup_runs_each_kind_of_step(tiny_model, hf_model, monkeypatch):
     """On CUDA the engine runs these steps at start, so that kernels compiled on first use (one flash-attn-4
     variant per kind) compile then, not while serving, for small steps and for steps of half the token budget:
-    a chunk and a 2-token chunk each beside a decode, the widest steps (many decodes and a chunk; short chunks
-    only), a prefill alone; then a decode alone. Here they run on CPU, and the engine serves exactly after them."""
+    a chunk and a 2-token chunk each beside a decode, the widest steps (many decodes and a chunk, the first time
+    also every power of two fewer decodes, so that each decode-kernel variant a mixed step may pick compiles; short
+    chunks only), a prefill alone; then a decode alone. Here they run on CPU, and the engine serves exactly after
+    them."""
     with LLM(tiny_model, max_num_seqs=8, kvcache_block_size=16, max_num_batched_tokens=256) as llm:
         runner, shapes = llm.model_runner, []
         run_step = runner.run_step
@@ -173,7 +175,8 @@ def test_kernel_warmup_runs_each_kind_of_step(tiny_model, hf_model, monkeypatch)
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                use_tqdm=False)
     # (sequences, leading decodes, longest chunk, tokens) for contexts of 32 tokens, then of the budget's 256
-    assert shapes[:11] == [(2, 1, 16, 17), (2, 1, 2, 3), (8, 7, 16, 23), (8, 0, 2, 16), (1, 0, 16, 16),
+    assert shapes[:14] == [(2, 1, 16, 17), (2, 1, 2, 3), (2, 1, 16, 17), (3, 2, 16, 18), (5, 4, 16, 20),
+                           (8, 7, 16, 23), (8, 0, 2, 16), (1, 0, 16, 16),
                            (2, 1, 128, 129), (2, 1, 2, 3), (8, 7, 128, 135), (8, 0, 16, 128), (1, 0, 128, 128),
                            (1, 1, 1, 1)]
     for prompt, out in zip(prompts, outputs):
@@ -198,7 +201,7 @@ def test_kernel_warmup_chunks_stay_chunks_beside_many_sequences(tiny_model, monk
     with LLM(tiny_model, max_num_seqs=32, kvcache_block_size=16, max_num_batched_tokens=256,
              max_model_len=256) as llm:
         shapes = warmup_steps(llm, monkeypatch)
-    assert len(shapes) == 11 and shapes[-1] == (1, 1, 1, 256)  # contexts of 32, then of 256 tokens
+    assert len(shapes) == 16 and shapes[-1] == (1, 1, 1, 256)  # contexts of 32, then of 256 tokens
     assert all(chunk >= 2 for _, _, chunk, _ in shapes[:-1]), shapes
     assert [(seqs, decodes, chunk) for seqs, decodes, chunk, _ in shapes if seqs == 32 and not decodes] == [
         (32, 0, 2), (32, 0, 4)]  # max(2, 32 // 2 // 32), then 256 // 2 // 32

@@ -316,10 +316,10 @@ class ModelRunner:
         beside a prefill chunk after a cached prefix; a decode beside a 2-token chunk (flash-attn-4 runs steps
         whose longest chunk fits one tile of query rows with a kernel of its own); the widest steps, of
         max_num_seqs sequences (over 256, flash-attn-4 adds a lookup to its scheduler), with many decodes and
-        one chunk (a mixed step that splits off its decodes) and with short chunks only; a prefix prefill alone;
-        then a decode-only step. No position reaches max_model_len (at most the cache's tokens and the model's
-        max_position_embeddings, where its rope table ends): where half the budget is more than half a context,
-        its chunks are those of several sequences."""
+        one chunk (a mixed step that splits off its decodes; the first time also with fewer decodes) and with
+        short chunks only; a prefix prefill alone; then a decode-only step. No position reaches max_model_len (at
+        most the cache's tokens and the model's max_position_embeddings, where its rope table ends): where half
+        the budget is more than half a context, its chunks are those of several sequences."""
         max_len, num_seqs = self.config.max_model_len, self.config.max_num_seqs
 
         def seq(num_computed: int, length: int) -> Sequence:
@@ -333,13 +333,18 @@ class ModelRunner:
             half = max(length // 2, 1)
             return [seq(length - half, length) for _ in range(min(-(-tokens // half), max(num_seqs - 1, 1)))]
         budget, block = self.config.max_num_batched_tokens, self.block_size
-        for length, tokens in sorted({(min(2 * block, max_len), max(min(block, max_len // 2), 1)),
-                                      (min(budget, max_len), max(budget // 2, 1))}):
+        for i, (length, tokens) in enumerate(sorted({(min(2 * block, max_len), max(min(block, max_len // 2), 1)),
+                                                     (min(budget, max_len), max(budget // 2, 1))})):
             chunk = min(max(2, tokens // num_seqs), length)
             self.run([seq(length - 1, length), *chunks(tokens, length)])
             self.run([seq(length - 1, length), seq(max(length - 2, 0), length)])
             prefills = chunks(tokens, length)
-            self.run([seq(length - 1, length) for _ in range(num_seqs - len(prefills))] + prefills)
+            most = num_seqs - len(prefills)  # first also every power of two fewer decodes: a decode kernel may
+            # pick its variant by the batch's programs an SM (`triton_attention.decode_tile`: ranges of a factor
+            # of 2 or more, each of which holds a power of two)
+            for decodes in sorted({most, *(1 << k for k in range(most.bit_length()) if 1 << k < most)}) \
+                    if i == 0 else [most]:
+                self.run([seq(length - 1, length) for _ in range(decodes)] + prefills)
             self.run([seq(length - chunk, length) for _ in range(num_seqs)])
             self.run(chunks(tokens, length))
         self.run([seq(length - 1, length)])  # a decode-only step: backends may have a kernel of its own
