@@ -173,8 +173,9 @@ def test_decode_carries_block_ids_across_tiles(kv_fp8, block_size):
     tile, warps, stages = triton_attention.decode_tile(head_dim, caches[0].element_size(), False, block_size,
                                                        value_chunk(caches[1]), False, 1e3)
     assert max(contexts) > 4 * tile and stages == 3 and (block_size % tile == 0) == (block_size == 128)
+    # a split batch keeps one tile in flight: 2 stages where the ids are carried, 3 where keys read their own
     split_tile = triton_attention.decode_tile(head_dim, caches[0].element_size(), True, block_size,
-                                              value_chunk(caches[1]))  # one tile in flight: 2 stages carry it
+                                              value_chunk(caches[1]))
     assert split_tile[2] == (2 if block_size % split_tile[0] == 0 else 3)
     assert not kv_fp8 or (value_chunk(caches[1]) and tile == 64)
     scales = (K_SCALE, V_SCALE) if kv_fp8 else (1.0, 1.0)
@@ -735,8 +736,8 @@ def test_kernels_compile_for_sm90():
     does (tests/test_triton_rope_store.py had a kernel that passed them and failed to compile on the H200).
     Attention: decode split and unsplit over a bf16 cache, split and unsplit (both tiles) over an FP8 one (chunked
     values), prefill over an FP8 cache, a warm-up's over its own keys and a graph's through a tile map, its decodes
-    split or not; the merges of a batch of one's 64 splits, of batch 8's 8 and of a graph's varlen step; the KV store into
-    both caches."""
+    split or not; the merges of a batch of one's 64 splits, of batch 8's 8 and of a graph's varlen step; the KV
+    store into both caches."""
     deep = triton_attention.FP8_DEEP_PROGRAMS_PER_SM
     cases = [attention_case("bf16", decode=True, split=True), attention_case("bf16", decode=True),
              attention_case("fp8e4nv", decode=True), attention_case("fp8e4nv", decode=True, programs_per_sm=deep),
