@@ -10,6 +10,7 @@ import typing
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.batch.protocol import MAX_N, MIN_LOGPROB, LineError, parse_request, result_line
 from nanovllm.batch.results import ResultsFile
 from nanovllm.run_batch import build_parser, main
 from tests.batch_util import CHAT, COMPLETIONS, choices, read_results, request, write_lines
@@ -138,6 +139,10 @@ BAD_LINES = [  # (line, code, what the message must name); each line's number is
     (json.dumps(request("chatlp", CHAT, messages=[{"role": "user", "content": "x"}], logprobs=5)),
      "invalid_value", "logprobs=5"),
     (b'{"custom_id": "\xff\xfe"}', "invalid_json", "not UTF-8"),
+    (json.dumps(request("", prompt="x")), "invalid_custom_id", "''"),  # present, so not missing: invalid
+    (json.dumps(request("maxtok0", prompt="x", max_tokens=0)), "invalid_value", "max_tokens=0"),  # not "unbounded"
+    (json.dumps(request("nomsgs", CHAT, messages=[])), "invalid_value", "messages must be a non-empty list"),
+    (json.dumps(request("stream-str", prompt="x", stream="false")), "invalid_value", "stream"),  # only false is false
 ]
 
 
@@ -161,6 +166,84 @@ def test_each_bad_line_gets_an_error_line_and_the_job_goes_on(llm, tiny_model, t
     for key in ("good-1", "good-2"):
         assert results[key]["error"] is None and len(choices(results[key])[0]["text"]) > 0
     assert llm.is_finished()  # nothing of a rejected line was left queued
+
+
+def test_body_fields_as_openai_clients_write_them():
+    """What OpenAI's own tools put in every line must be served, not rejected: a body's "model" (one model serves
+    the file, so it is ignored, like "user" and "metadata"), max_completion_tokens next to the older max_tokens (the
+    newer field wins, as in OpenAI's API), and the inclusive limits n=128 and top_logprobs=20."""
+    conversation = [{"role": "user", "content": "Hi"}]
+    line = request("a", CHAT, model="gpt-4o-mini", user="u1", metadata={"k": "v"}, messages=conversation,
+                   max_tokens=50, max_completion_tokens=7, n=MAX_N, logprobs=True, top_logprobs=20)
+    parsed = parse_request(line, "a", 1)
+    assert (parsed.max_tokens, parsed.n, parsed.sampling["logprobs"]) == (7, MAX_N, 20)
+    assert "model" not in parsed.sampling and "user" not in parsed.sampling
+    assert parse_request(request("b", model="m", prompt="x", max_tokens=5), "b", 2).max_tokens == 5
+    with pytest.raises(LineError, match=r"n=129 must be in \[1, 128\]"):
+        parse_request(request("c", prompt="x", n=MAX_N + 1), "c", 3)
+    with pytest.raises(LineError, match=r"top_logprobs=21 must be in \[0, 20\]"):
+        parse_request(request("d", CHAT, messages=conversation, logprobs=True, top_logprobs=21), "d", 4)
+
+
+def test_result_line_usage_and_logprobs():
+    """The parts of a result that no engine comparison pins down: cached prompt tokens are summed over every
+    choice, a logprob of -inf is clamped to MIN_LOGPROB (JSON has no -inf: json.dumps would write the invalid
+    token -Infinity), and a completion's text_offset is each token's character offset in the text."""
+    texts = {5: "ab", 6: "cde", 7: "f"}
+    outputs = [{"text": "abcde", "token_ids": [5, 6], "logprobs": [{5: -0.5, 7: -1.0}, {6: float("-inf")}],
+                "finish_reason": "length", "stop_reason": None, "num_cached_tokens": 16},
+               {"text": "f", "token_ids": [7], "logprobs": [{7: -0.25}],
+                "finish_reason": "stop", "stop_reason": None, "num_cached_tokens": 32}]
+    completion = parse_request(request("c", prompt="x", logprobs=1, n=2), "c", 1)
+    line = result_line(completion, outputs, 40, "m", texts.get)
+    assert line["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    first = choices(line)[0]["logprobs"]
+    assert first["tokens"] == ["ab", "cde"] and first["text_offset"] == [0, 2]
+    assert first["token_logprobs"] == [-0.5, MIN_LOGPROB] and first["top_logprobs"][1] == {"cde": MIN_LOGPROB}
+    chat = parse_request(request("h", CHAT, messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                 top_logprobs=1, n=2), "h", 2)
+    content = choices(result_line(chat, outputs, 40, "m", texts.get))[0]["logprobs"]["content"]
+    assert content[1]["logprob"] == MIN_LOGPROB and content[1]["top_logprobs"][0]["logprob"] == MIN_LOGPROB
+    json.loads(json.dumps(line, allow_nan=False))  # plain JSON throughout
+
+
+def test_a_prompt_of_exactly_max_model_len_is_served(llm, tiny_model, tmp_path):
+    """A prompt that fills max_model_len exactly fits (only a longer one is prompt_too_long); without max_tokens
+    it still gets one token, rather than max_tokens=0, which SamplingParams would reject."""
+    lines = [request("full", prompt=list(range(3, 3 + MAX_MODEL_LEN)), temperature=0, ignore_eos=True)]
+    assert run(llm, tiny_model, write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl") == 0
+    result = read_results(tmp_path / "out.jsonl")["full"]
+    assert result["error"] is None, result["error"]
+    assert choices(result)[0]["finish_reason"] == "length"
+    assert result["response"]["body"]["usage"]["completion_tokens"] == 1
+
+
+def test_usage_counts_every_prompt_of_a_request(llm, tiny_model, tmp_path):
+    """A completions request of several prompts reports the prompt tokens of all of them, not of the first."""
+    lines = [request("two", prompt=["The sea is", "The moon over the hills"], max_tokens=2, temperature=0)]
+    assert run(llm, tiny_model, write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl") == 0
+    usage = read_results(tmp_path / "out.jsonl")["two"]["response"]["body"]["usage"]
+    assert usage["prompt_tokens"] == len(llm.encode("The sea is")) + len(llm.encode("The moon over the hills"))
+
+
+def test_a_request_rejected_part_way_through_submitting_leaves_nothing_running(llm, tiny_model, tmp_path,
+                                                                                monkeypatch):
+    """A request whose second prompt fails the engine's checks after its first prompt was submitted (here
+    min_tokens fits the short prompt's room but not the long one's) gets an error line, and the choice already
+    submitted is aborted, not left to run for a result nobody writes."""
+    submitted, submit = [], llm.submit
+
+    def recording_submit(*args, **kwargs):
+        submitted.append(submit(*args, **kwargs))
+        return submitted[-1]
+
+    monkeypatch.setattr(llm, "submit", recording_submit)
+    lines = [request("split", prompt=["short", list(range(3, 3 + MAX_MODEL_LEN - 8))], min_tokens=100,
+                     ignore_eos=True)]
+    assert run(llm, tiny_model, write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl") == 1
+    error = read_results(tmp_path / "out.jsonl")["split"]["error"]
+    assert error["code"] == "invalid_value" and "min_tokens=100" in error["message"], error
+    assert len(submitted) == 1 and submitted[0].result(timeout=60)["finish_reason"] == "abort"
 
 
 def test_exit_status_and_a_finished_file_is_left_alone(llm, tiny_model, tmp_path):
@@ -280,6 +363,117 @@ def test_an_aborted_request_is_not_a_result(llm, tiny_model, tmp_path, monkeypat
     assert run(llm, tiny_model, inp, out) == 0 and sorted(read_results(out)) == ["r0", "r1", "r2"]
 
 
+def test_one_aborted_choice_of_several_is_no_result(llm, tiny_model, tmp_path, monkeypatch, capsys):
+    """A request of n=2 whose second choice was aborted is no result (it is served again by the next run), while
+    the run goes on with the others: one aborted choice must not make the whole line a failure of the run."""
+    lines = [request("r0", prompt="prompt 0", max_tokens=60, ignore_eos=True),
+             request("r1", prompt="prompt 1", max_tokens=3, ignore_eos=True, n=2),  # finishes first
+             request("r2", prompt="prompt 2", max_tokens=60, ignore_eos=True)]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    submit, calls = llm.submit, []
+
+    def submit_then_abort_the_second_choice(prompt, params):
+        handle = submit(prompt, params)
+        calls.append(prompt)
+        if prompt == llm.encode("prompt 1") and calls.count(prompt) == 2:
+            handle.abort()
+        return handle
+
+    monkeypatch.setattr(llm, "submit", submit_then_abort_the_second_choice)
+    assert run(llm, tiny_model, inp, out) == 3
+    err = capsys.readouterr().err
+    assert "the run stopped" not in err and "1 stopped before they finished" in err
+    assert sorted(read_results(out)) == ["r0", "r2"]
+    monkeypatch.undo()
+    assert run(llm, tiny_model, inp, out) == 0 and len(choices(read_results(out)["r1"])) == 2
+
+
+def test_a_run_with_failed_lines_that_stopped_early_says_run_again(llm, tiny_model, tmp_path, monkeypatch):
+    """Exit status 3 (run the same command again) wins over 1 (some line failed): a caller that only retries on
+    3 must not take an unfinished run for a finished one because it also holds a bad line."""
+    lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=20, ignore_eos=True) for i in range(2)] + ["{oops"]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    submit = llm.submit
+
+    def submit_then_abort(prompt, params):
+        handle = submit(prompt, params)
+        if prompt == llm.encode("prompt 1"):
+            handle.abort()
+        return handle
+
+    monkeypatch.setattr(llm, "submit", submit_then_abort)
+    assert run(llm, tiny_model, inp, out) == 3
+    monkeypatch.undo()
+    assert run(llm, tiny_model, inp, out) == 1  # finished now: only the bad line failed
+    assert len(read_results(out)) == 3
+
+
+def test_summary_counts_this_run_and_the_earlier_one(llm, tiny_model, tmp_path, capsys):
+    """The closing summary on stderr counts completion tokens, and, on a resumed run, how many of the lines an
+    earlier run wrote were failures (not this run's failures)."""
+    lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=3, ignore_eos=True) for i in range(2)] + ["{oops"]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    assert run(llm, tiny_model, inp, out) == 1
+    assert "3 lines: 2 served, 1 failed (invalid_json 1); 6 completion tokens" in capsys.readouterr().err
+    write_lines(inp, lines + [request("r2", prompt="prompt 2", max_tokens=4, ignore_eos=True)])
+    assert run(llm, tiny_model, inp, out) == 1
+    err = capsys.readouterr().err
+    assert "4 lines: 1 served, 0 failed; 3 written by an earlier run (1 of them failed); 4 completion tokens" in err
+
+
+def test_chat_template_from_a_file(llm, tiny_model, tmp_path):
+    """--chat-template names a file holding the template, or is the template itself; both give the same prompt."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    (tmp_path / "template.jinja").write_text(template)
+    conversation = [{"role": "user", "content": "Hello!"}]
+    inp = write_lines(tmp_path / "in.jsonl", [request("c", CHAT, messages=conversation, max_tokens=3, temperature=0)])
+    expected = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False,
+                        chat_template=template)[0]
+    for given in (str(tmp_path / "template.jinja"), template):
+        out = tmp_path / f"out{len(given)}.jsonl"
+        assert run(llm, tiny_model, inp, out, "--chat-template", given) == 0
+        result = read_results(out)["c"]
+        assert result["response"]["body"]["usage"]["prompt_tokens"] == len(llm.apply_chat_template(conversation,
+                                                                                                  template))
+        assert choices(result)[0]["message"]["content"] == expected["text"]
+
+
+def test_the_default_window_is_twice_max_num_seqs(llm, tiny_model, tmp_path, monkeypatch):
+    """Without --max-in-flight, 2 x --max-num-seqs requests are in the engine (one batch running, one waiting);
+    with an engine given, that flag still sets the window."""
+    live, peak = [], [0]
+    submit = llm.submit
+
+    def counting_submit(*args, **kwargs):
+        handle = submit(*args, **kwargs)
+        live[:] = [h for h in live if not h.finished] + [handle]
+        peak[0] = max(peak[0], len(live))
+        return handle
+
+    monkeypatch.setattr(llm, "submit", counting_submit)
+    lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=8, ignore_eos=True) for i in range(24)]
+    assert run(llm, tiny_model, write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl",
+               "--max-num-seqs", "2") == 0
+    assert len(read_results(tmp_path / "out.jsonl")) == 24 and peak[0] == 4
+
+
+def test_token_text_keeps_special_tokens(llm):
+    """A logprob entry for a special token (an end-of-turn token, say) names it, rather than an empty string."""
+    from nanovllm.batch.executor import BatchExecutor
+    special = llm.tokenizer.all_special_ids[0]
+    text = BatchExecutor(llm, "m").token_text(special)
+    assert text and text == llm.decode([special], skip_special_tokens=False)
+
+
+def test_count_lines(tmp_path):
+    """The progress bar's total: a last line without its newline is a line too; stdin has no total."""
+    from nanovllm.run_batch import count_lines
+    for data, lines in ((b"", 0), (b"a\n", 1), (b"a\nb", 2), (b"a\nb\n", 2)):
+        (tmp_path / "f").write_bytes(data)
+        assert count_lines(str(tmp_path / "f")) == lines, data
+    assert count_lines("-") is None
+
+
 @dataclasses.dataclass
 class FutureConfig:  # Config with engine arguments that do not exist yet
     model: str
@@ -310,6 +504,25 @@ def test_engine_flags_follow_config_fields(capsys):
     from nanovllm.config import Config
     real = {f.name for f in dataclasses.fields(Config)} - {"model", "hf_config", "eos_token_ids"}
     assert set(build_parser()[1]) == real
+
+
+def test_an_optional_engine_flag_takes_its_type(capsys):
+    """An Optional[int] field is an int flag, not JSON: 2.5 or [1] is a command-line error, not a value."""
+    parser, _ = build_parser(FutureConfig)
+    for bad in ("2.5", "[1]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["-i", "a", "-o", "b", "--model", "m", "--maybe-count", bad])
+        assert f"invalid int value: '{bad}'" in capsys.readouterr().err
+
+
+def test_counts_below_one_are_command_line_errors(tmp_path, capsys):
+    """--max-in-flight 0 (nothing could ever run) and a zero timeout are rejected before any work, with exit 2."""
+    inp = write_lines(tmp_path / "in.jsonl", [request("a", prompt="p")])
+    for flag in ("--max-in-flight", "--ray-start-timeout", "--data-parallel-size"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["-i", inp, "-o", str(tmp_path / "out"), "--model", "m", flag, "0"])
+        assert exit_info.value.code == 2 and f"{flag}=0 must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_bad_engine_argument_is_a_clear_error(tiny_model, tmp_path, capsys):
