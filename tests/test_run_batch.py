@@ -306,7 +306,11 @@ def test_results_are_written_while_input_still_streams(llm, tiny_model, tmp_path
     assert status.get("code") == 0 and sorted(read_results(out)) == ["early-0", "early-1", "late"]
 
 
-def test_at_most_max_in_flight_requests_are_in_the_engine(llm, tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("flags, window", [(("--max-in-flight", "3"), 3), (("--max-num-seqs", "2"), 4)],
+                         ids=["max-in-flight", "default"])
+def test_at_most_max_in_flight_requests_are_in_the_engine(llm, tiny_model, tmp_path, monkeypatch, flags, window):
+    """--max-in-flight requests at most are in the engine; without it 2 x --max-num-seqs (one batch running, one
+    waiting), a flag that sets the window even with an engine given."""
     live, peak = [], [0]
     submit = llm.submit
 
@@ -318,9 +322,8 @@ def test_at_most_max_in_flight_requests_are_in_the_engine(llm, tiny_model, tmp_p
 
     monkeypatch.setattr(llm, "submit", counting_submit)
     lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=8, ignore_eos=True) for i in range(24)]
-    assert run(llm, tiny_model, write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl",
-               "--max-in-flight", "3") == 0
-    assert len(read_results(tmp_path / "out.jsonl")) == 24 and peak[0] == 3
+    assert run(llm, tiny_model, write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl", *flags) == 0
+    assert len(read_results(tmp_path / "out.jsonl")) == 24 and peak[0] == window
 
 
 def test_an_engine_failure_stops_the_run_and_a_rerun_finishes_it(llm, tiny_model, tmp_path, monkeypatch):
@@ -344,18 +347,25 @@ def test_an_engine_failure_stops_the_run_and_a_rerun_finishes_it(llm, tiny_model
     assert llm.is_finished()
 
 
-def test_an_aborted_request_is_not_a_result(llm, tiny_model, tmp_path, monkeypatch, capsys):
-    lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=200, ignore_eos=True) for i in range(3)]
-    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    submit = llm.submit
+def abort_at_submit(llm, monkeypatch, prompt: str, nth: int = 1):
+    """llm.submit aborts the nth submission of `prompt` as soon as it is made, as when someone else ends the
+    request (or closes the engine); monkeypatch.undo() ends it."""
+    submit, prompt_ids, seen = llm.submit, llm.encode(prompt), [0]
 
-    def submit_then_abort(prompt, params):  # as when someone else ends the request (or closes the engine)
-        handle = submit(prompt, params)
-        if prompt == llm.encode("prompt 1"):
+    def submit_then_abort(ids, params):
+        handle = submit(ids, params)
+        seen[0] += ids == prompt_ids
+        if ids == prompt_ids and seen[0] == nth:
             handle.abort()
         return handle
 
     monkeypatch.setattr(llm, "submit", submit_then_abort)
+
+
+def test_an_aborted_request_is_not_a_result(llm, tiny_model, tmp_path, monkeypatch, capsys):
+    lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=200, ignore_eos=True) for i in range(3)]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    abort_at_submit(llm, monkeypatch, "prompt 1")
     assert run(llm, tiny_model, inp, out) == 3
     assert sorted(read_results(out)) == ["r0", "r2"]
     assert "1 stopped before they finished" in capsys.readouterr().err
@@ -370,16 +380,7 @@ def test_one_aborted_choice_of_several_is_no_result(llm, tiny_model, tmp_path, m
              request("r1", prompt="prompt 1", max_tokens=3, ignore_eos=True, n=2),  # finishes first
              request("r2", prompt="prompt 2", max_tokens=60, ignore_eos=True)]
     inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    submit, calls = llm.submit, []
-
-    def submit_then_abort_the_second_choice(prompt, params):
-        handle = submit(prompt, params)
-        calls.append(prompt)
-        if prompt == llm.encode("prompt 1") and calls.count(prompt) == 2:
-            handle.abort()
-        return handle
-
-    monkeypatch.setattr(llm, "submit", submit_then_abort_the_second_choice)
+    abort_at_submit(llm, monkeypatch, "prompt 1", nth=2)
     assert run(llm, tiny_model, inp, out) == 3
     err = capsys.readouterr().err
     assert "the run stopped" not in err and "1 stopped before they finished" in err
@@ -393,15 +394,7 @@ def test_a_run_with_failed_lines_that_stopped_early_says_run_again(llm, tiny_mod
     3 must not take an unfinished run for a finished one because it also holds a bad line."""
     lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=20, ignore_eos=True) for i in range(2)] + ["{oops"]
     inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    submit = llm.submit
-
-    def submit_then_abort(prompt, params):
-        handle = submit(prompt, params)
-        if prompt == llm.encode("prompt 1"):
-            handle.abort()
-        return handle
-
-    monkeypatch.setattr(llm, "submit", submit_then_abort)
+    abort_at_submit(llm, monkeypatch, "prompt 1")
     assert run(llm, tiny_model, inp, out) == 3
     monkeypatch.undo()
     assert run(llm, tiny_model, inp, out) == 1  # finished now: only the bad line failed
@@ -436,25 +429,6 @@ def test_chat_template_from_a_file(llm, tiny_model, tmp_path):
         assert result["response"]["body"]["usage"]["prompt_tokens"] == len(llm.apply_chat_template(conversation,
                                                                                                   template))
         assert choices(result)[0]["message"]["content"] == expected["text"]
-
-
-def test_the_default_window_is_twice_max_num_seqs(llm, tiny_model, tmp_path, monkeypatch):
-    """Without --max-in-flight, 2 x --max-num-seqs requests are in the engine (one batch running, one waiting);
-    with an engine given, that flag still sets the window."""
-    live, peak = [], [0]
-    submit = llm.submit
-
-    def counting_submit(*args, **kwargs):
-        handle = submit(*args, **kwargs)
-        live[:] = [h for h in live if not h.finished] + [handle]
-        peak[0] = max(peak[0], len(live))
-        return handle
-
-    monkeypatch.setattr(llm, "submit", counting_submit)
-    lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=8, ignore_eos=True) for i in range(24)]
-    assert run(llm, tiny_model, write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl",
-               "--max-num-seqs", "2") == 0
-    assert len(read_results(tmp_path / "out.jsonl")) == 24 and peak[0] == 4
 
 
 def test_token_text_keeps_special_tokens(llm):
