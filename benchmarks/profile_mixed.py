@@ -109,7 +109,7 @@ def main():
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
-ATTENTION_KERNELS = ("_attention_kernel", "flash")  # Triton's (the merge inside it), flash-attn-4's
+ATTENTION_KERNELS = ("_attention_kernel", "_merge_splits_kernel", "flash")  # Triton's two, flash-attn-4's
 
 
 def gpu_time(llm: LLM, n: int, params, reps: int, prompt) -> tuple[float, float]:

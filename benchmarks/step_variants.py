@@ -3,8 +3,8 @@ read when the CUDA graphs are captured, so one engine cannot time two): ms per s
 
     python benchmarks/step_variants.py --batch 1 4 16 32 --variant "" --variant "down=32,512,4" --variant ""
 
-A variant is NAME=VALUE pairs, space-separated: `split` (the decode kernel's minimum split past MANY_SPLITS
-splits, MIN_SPLIT_TOKENS_MANY), `min_split` (MIN_SPLIT_TOKENS), `target` (the programs an SM that a split
+A variant is NAME=VALUE pairs, space-separated: `split` (the decode kernel's minimum split where the merge takes
+a tile, MIN_SPLIT_TOKENS_TILE_MERGE), `min_split` (MIN_SPLIT_TOKENS), `target` (the programs an SM that a split
 batch aims at, SPLIT_TARGET_PROGRAMS_PER_SM), `splits` (the split count of every batch that splits), `prefetch`
 (KV_PREFETCH_TILES), and the skinny projections' tiles `qkv`, `o_proj`, `gate_up`, `down` as
 block_n,block_k,num_warps (qkv's block_n is half a head), at every row count or, as `gate_up@32=...`, only where
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-SETTINGS = {"split": "MIN_SPLIT_TOKENS_MANY", "min_split": "MIN_SPLIT_TOKENS",
+SETTINGS = {"split": "MIN_SPLIT_TOKENS_TILE_MERGE", "min_split": "MIN_SPLIT_TOKENS",
             "target": "SPLIT_TARGET_PROGRAMS_PER_SM", "prefetch": "KV_PREFETCH_TILES",
             "splits": None}  # their names in triton_attention (`splits` replaces decode_splits' count where it splits)
 TILES = ("qkv", "o_proj", "gate_up", "down")

@@ -42,14 +42,14 @@ def test_step_variants_sets_what_the_engine_reads(monkeypatch):
     time; the projections it does not name keep their tuned tiles."""
     from nanovllm.layers import triton_attention, triton_skinny
     from step_variants import apply
-    for name in ("MIN_SPLIT_TOKENS_MANY", "MIN_SPLIT_TOKENS", "SPLIT_TARGET_PROGRAMS_PER_SM",
+    for name in ("MIN_SPLIT_TOKENS_TILE_MERGE", "MIN_SPLIT_TOKENS", "SPLIT_TARGET_PROGRAMS_PER_SM",
                  "KV_PREFETCH_TILES", "decode_splits"):
         monkeypatch.setattr(triton_attention, name, getattr(triton_attention, name))
     monkeypatch.setattr(triton_skinny, "plan", triton_skinny.plan)
     o_proj = triton_skinny.plan(16, 2048, False)
     gate_up = triton_skinny.plan(16, 1024, True)
     apply({"split": 32, "min_split": 96, "down": (16, 256, 4), "gate_up@32": (64, 256, 8)}, intermediate_size=3072)
-    assert (triton_attention.MIN_SPLIT_TOKENS_MANY, triton_attention.MIN_SPLIT_TOKENS) == (32, 96)
+    assert (triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE, triton_attention.MIN_SPLIT_TOKENS) == (32, 96)
     assert triton_skinny.plan(16, 3072, False) == triton_skinny.plan(32, 3072, False) == (16, 256, 4)
     assert triton_skinny.plan(16, 2048, False) == o_proj
     assert (triton_skinny.plan(16, 1024, True), triton_skinny.plan(32, 1024, True)) == (gate_up, (64, 256, 8))

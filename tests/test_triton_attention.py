@@ -91,10 +91,10 @@ def decode_cases():
         splits = [1, 2, 3, 1, 5, 4, 1, 2][i]
         case = dict(group=group, num_kv_heads=num_kv_heads, head_dim=head_dims[i], block_size=block_size,
                     contexts=contexts, splits=splits, kv_fp8=i % 2 == 1, q_gain=30.0 if i in (1, 5) else 1.0,
-                    one_by_one=i in (2, 4, 5))  # the merge loads one split at a time (a loop of `used` turns)
+                    tile_merge=i in (2, 4, 5))  # merged by a tile across the threads (as more splits are)
         cases.append(pytest.param(case, id=f"g{group}-d{head_dims[i]}-b{block_size}-s{splits}"
                                            f"{'-fp8' if case['kv_fp8'] else ''}{'-peaky' if i in (1, 5) else ''}"
-                                           f"{'-one-by-one' if case['one_by_one'] else ''}"))
+                                           f"{'-tile' if case['tile_merge'] else ''}"))
     return cases
 
 
@@ -102,9 +102,8 @@ def decode_cases():
 @pytest.mark.parametrize("case", decode_cases())
 def test_decode_matches_reference(case, dtype, monkeypatch):
     """Ragged contexts, splits of 16 tokens so even short contexts split, large logits in the peaky cases (an
-    unscaled merge of splits overflows there); the merge's loads of all splits at once, or one at a time."""
-    if case["one_by_one"]:
-        monkeypatch.setattr(triton_attention, "_merge_tile", lambda args, warps: 1)
+    unscaled merge of splits overflows there); both ways of merging the splits."""
+    monkeypatch.setattr(triton_attention, "PER_THREAD_SPLITS", 0 if case["tile_merge"] else 32)
     contexts = case["contexts"]
     q, k, v, caches, meta = make_case([1] * len(contexts), contexts, case["group"] * case["num_kv_heads"],
                                       case["num_kv_heads"], case["head_dim"], case["block_size"], case["kv_fp8"],
@@ -224,86 +223,78 @@ def test_decode_of_an_empty_context_writes_zeros(splits, monkeypatch):
     assert (out[3] == 0).all()
 
 
+def merged(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The splits' outputs [tokens, heads, splits, head_dim] weighted by exp2 of their lse, in float64 (a row
+    whose splits are all empty, -inf: 0)."""
+    weight = torch.exp2(lse.double() - lse.double().amax(-1, keepdim=True).clamp(min=0))
+    return (weight[..., None] * partial.double()).sum(2) / weight.sum(-1).clamp(min=1e-300)[..., None]
+
+
 @pytest.fixture
-def split_launches(monkeypatch) -> list[tuple[int, int]]:
-    """(num_splits, min_split_tokens) of each launch of the attention kernel that splits keys, while the test runs."""
-    kernel, launches = triton_attention._attention_kernel, []
+def merge_launches(monkeypatch) -> list[tuple[int, int, int]]:
+    """(num_splits, min_split_tokens, SPLITS) of each launch of the merge kernel while the test runs (SPLITS: one
+    dim a thread; 0: the tile)."""
+    kernel, launches = triton_attention._merge_splits_kernel, []
 
     class Spy:
         def __getitem__(self, grid):
-            def launch(*args, **kw):
-                if kw["SPLIT"]:
-                    launches.append((kw["num_splits"], kw["min_split_tokens"]))
-                return kernel[grid](*args, **kw)
-            return launch
-    monkeypatch.setattr(triton_attention, "_attention_kernel", Spy())
+            return lambda *args, **kw: launches.append((args[5], args[6], kw["SPLITS"])) or kernel[grid](*args, **kw)
+    monkeypatch.setattr(triton_attention, "_merge_splits_kernel", Spy())
     return launches
 
 
-@pytest.fixture
-def nan_split_outputs(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The splits' partial outputs and log-sum-exps of each split launch, NaN until a split writes them."""
-    make, made = triton_attention._split_outputs, []
+@pytest.mark.parametrize("per_thread", [True, False])
+def test_merge_weighs_splits_by_their_lse_without_overflow(per_thread, monkeypatch, merge_launches):
+    """Splits whose log-sum-exps lie hundreds apart (exp2 of their differences overflows float32), empty ones
+    (-inf), all empty (0 out): the merge is the float64 weighted mean, each way of merging."""
+    monkeypatch.setattr(triton_attention, "PER_THREAD_SPLITS", 32 if per_thread else 0)
+    gen = torch.Generator().manual_seed(5)
+    partial = torch.randn(3, 2, 5, 64, generator=gen)
+    lse = torch.tensor([[0.0, 300.0, -200.0, float("-inf"), -100.0], [5.0, float("-inf"), 4.0, 3.0, -400.0]])
+    lse = torch.stack([lse, lse.flip(-1), torch.randn(2, 5, generator=gen)])
+    lse[2, 0] = float("-inf")
+    expected = merged(partial, lse)
+    out = torch.empty(3, 2, 64, device=DEVICE)
+    triton_attention.merge_splits(partial.to(DEVICE), lse.to(DEVICE), out)
+    assert_close(out, expected, torch.float32)
+    assert [ways for *_, ways in merge_launches] == [5 if per_thread else 0]
 
-    def nan_filled(*args):
-        partial, lse, counter = make(*args)
-        made.append((partial.fill_(float("nan")), lse.fill_(float("nan"))))
-        return partial, lse, counter
-    monkeypatch.setattr(triton_attention, "_split_outputs", nan_filled)
-    return made
 
-
-def attention_counters() -> torch.Tensor:
-    from nanovllm.layers import triton_guard
-    return triton_guard._counters["attention", torch.device(DEVICE.type, 0) if DEVICE.type == "cuda" else DEVICE]
-
-
-@pytest.mark.parametrize("one_by_one", [False, True])
-def test_split_decode_weighs_splits_whose_lse_lie_hundreds_apart(one_by_one, monkeypatch):
-    """Logits in the thousands (q scaled by 300), so the splits' log-sum-exps lie hundreds apart and exp2 of their
-    differences overflows float32: the last split's merge is still the float64 reference, with all splits' loads at
-    once or one split at a time."""
-    if one_by_one:
-        monkeypatch.setattr(triton_attention, "_merge_tile", lambda args, warps: 1)
-    contexts = [300, 64, 17, 129]
-    q, k, v, caches, meta = make_case([1] * 4, contexts, 4, 2, 64, 16, False, seed=8, q_gain=300.0)
-    expected = reference(q, k, v, caches, meta, False)
-    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
-    out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125, num_splits=5,
-                                            min_split_tokens=16)
+@pytest.mark.parametrize("per_thread", [True, False])
+def test_merge_reads_only_the_splits_that_the_context_fills(per_thread, monkeypatch):
+    """The decode kernel's splits past a sequence's keys write nothing (they end before the dependent-launch
+    wait): the merge of its output counts the filled splits as the kernel does and never reads the others (NaN
+    here), each way of merging."""
+    monkeypatch.setattr(triton_attention, "PER_THREAD_SPLITS", 32 if per_thread else 0)
+    contexts = torch.tensor([1, 40, 128, 300, 0], dtype=torch.int32)  # 16-token tiles, 8 splits: 1, 3, 8, 7, 1 filled
+    filled = [1, 3, 8, 7, 1]
+    gen = torch.Generator().manual_seed(6)
+    partial, lse = torch.randn(5, 2, 8, 64, generator=gen), torch.randn(5, 2, 8, generator=gen) * 4
+    for row, n in enumerate(filled):
+        partial[row, :, n:], lse[row, :, n:] = float("nan"), float("nan")
+    lse[4] = float("-inf")  # a context of 0 (a graph's padding row): its first split is written, empty
+    expected = merged(partial.nan_to_num(), lse.nan_to_num(nan=float("-inf")))  # the unwritten splits left out
+    out = torch.empty(5, 2, 64, device=DEVICE)
+    triton_attention.merge_splits(partial.to(DEVICE), lse.to(DEVICE), out, (contexts.to(DEVICE), 16, 16))
     assert_close(out, expected, torch.float32)
 
 
-def test_split_decode_reads_only_the_splits_with_keys(nan_split_outputs):
-    """Splits past a context's keys write nothing (they end before the dependent-launch wait), and the merge reads
-    only the splits that the context fills (the buffers are NaN elsewhere); a context that fills one split is
-    written by it as unsplit, with nothing in the buffers."""
-    contexts = [1, 40, 128, 300, 16]  # 8 splits of 16 keys or more in 32-key tiles: 1, 2, 4, 5, 1 filled
-    q, k, v, caches, meta = make_case([1] * 5, contexts, 4, 2, 64, 16, False, seed=6)
-    expected = reference(q, k, v, caches, meta, False)
-    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
-    out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125, num_splits=8,
-                                            min_split_tokens=16)
+def test_merge_takes_a_tile_of_any_number_of_splits():
+    """More splits than PER_THREAD_SPLITS and not a power of two (40: batch 1 over 13 KV heads on an H200 has as
+    many), merged as a tile across the threads: padded to a power of two (`tl.arange`'s), only the splits each
+    context fills read (NaN beyond them)."""
+    assert 40 > triton_attention.PER_THREAD_SPLITS
+    contexts = torch.tensor([600, 17, 640], dtype=torch.int32)  # 16-key splits: 38, 2, 40 filled
+    filled = [38, 2, 40]
+    gen = torch.Generator().manual_seed(9)
+    partial, lse = torch.randn(3, 2, 40, 64, generator=gen), torch.randn(3, 2, 40, generator=gen) * 4
+    lse[0, 1, 5] = float("-inf")
+    for row, n in enumerate(filled):
+        partial[row, :, n:], lse[row, :, n:] = float("nan"), float("nan")
+    expected = merged(partial.nan_to_num(), lse.nan_to_num(nan=float("-inf")))
+    out = torch.empty(3, 2, 64, device=DEVICE)
+    triton_attention.merge_splits(partial.to(DEVICE), lse.to(DEVICE), out, (contexts.to(DEVICE), 16, 16))
     assert_close(out, expected, torch.float32)
-    (partial, lse), = nan_split_outputs
-    assert triton_attention.decode_tile(64, 4)[0] == 32  # (the tile the counts are for)
-    written = ~lse.isnan()  # [sequence, head, split]: the first `filled` splits, or none where one holds every key
-    assert written.tolist() == [[[split < filled for split in range(8)]] * 4 for filled in (0, 2, 4, 5, 0)]
-    assert (partial.isnan().all(-1) == ~written).all()
-
-
-def test_split_decode_leaves_its_counters_at_zero():
-    """Each (sequence, KV head)'s last split sets its counter back to 0, so the next launch (the next layer, the
-    next step's replay) counts from 0 again: three launches in a row, each right."""
-    contexts = [200, 90, 33]
-    q, k, v, caches, meta = make_case([1] * 3, contexts, 4, 2, 64, 16, False, seed=4)
-    expected = reference(q, k, v, caches, meta, False)
-    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
-    for _ in range(3):
-        out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125,
-                                                num_splits=4, min_split_tokens=16)
-        assert_close(out, expected, torch.float32)
-        assert not attention_counters().any()
 
 
 def test_decode_default_split_size():
@@ -316,23 +307,36 @@ def test_decode_default_split_size():
     assert_close(out, expected, torch.float32)
 
 
-def test_decode_splits_are_shorter_past_many_splits(split_launches):
-    """The default minimum split: MIN_SPLIT_TOKENS_MANY past MANY_SPLITS splits (batch 1: 64 splits),
-    MIN_SPLIT_TOKENS up to them (32 programs: 16 splits; exactly MANY_SPLITS), and the output is right each time."""
-    many = triton_attention.MANY_SPLITS
-    for contexts, kv_heads, splits in (([300], 1, None), ([300, 1, 70, 129, 64, 200, 2, 90], 4, None),
-                                       ([300, 7], 1, many), ([300, 7], 1, many + 1)):
+def test_decode_splits_are_shorter_where_the_merge_takes_a_tile(merge_launches):
+    """The default minimum split: MIN_SPLIT_TOKENS_TILE_MERGE where there are more splits than the merge takes one
+    dim a thread (batch 1: 64 splits), MIN_SPLIT_TOKENS where there are not (32 programs: 16 splits); the kernel
+    and its merge count the same filled splits, so the output is right either way."""
+    for contexts, kv_heads in (([300], 1), ([300, 1, 70, 129, 64, 200, 2, 90], 4)):
         q, k, v, caches, meta = make_case([1] * len(contexts), contexts, 2 * kv_heads, kv_heads, 64, 16, False,
                                           seed=len(contexts))
         expected = reference(q, k, v, caches, meta, False)
         q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+        out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125)
+        assert_close(out, expected, torch.float32)
+    assert merge_launches == [(64, triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE, 0),
+                              (16, triton_attention.MIN_SPLIT_TOKENS, 16)]
+    assert triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE < triton_attention.MIN_SPLIT_TOKENS  # (else nothing shown)
+
+
+def test_decode_merges_one_dim_a_thread_up_to_per_thread_splits(merge_launches):
+    """The boundary of the two merges: at exactly PER_THREAD_SPLITS splits the merge keeps one dim a thread and the
+    default minimum split is MIN_SPLIT_TOKENS; one split more, the merge takes a tile and the minimum is
+    MIN_SPLIT_TOKENS_TILE_MERGE. The output is right both times."""
+    q, k, v, caches, meta = make_case([1, 1], [300, 7], 2, 1, 64, 16, False, seed=14)
+    expected = reference(q, k, v, caches, meta, False)
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    per_thread = triton_attention.PER_THREAD_SPLITS
+    for splits in (per_thread, per_thread + 1):
         out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125,
                                                 num_splits=splits)
         assert_close(out, expected, torch.float32)
-    assert split_launches == [(64, triton_attention.MIN_SPLIT_TOKENS_MANY), (16, triton_attention.MIN_SPLIT_TOKENS),
-                              (many, triton_attention.MIN_SPLIT_TOKENS),
-                              (many + 1, triton_attention.MIN_SPLIT_TOKENS_MANY)]
-    assert triton_attention.MIN_SPLIT_TOKENS_MANY < triton_attention.MIN_SPLIT_TOKENS  # (else nothing shown)
+    assert merge_launches == [(per_thread, triton_attention.MIN_SPLIT_TOKENS, per_thread),
+                              (per_thread + 1, triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE, 0)]
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -377,7 +381,7 @@ def test_varlen_matches_reference(name, num_heads, num_kv_heads, head_dim, block
 @pytest.mark.parametrize("splits,split_seqs", [(1, 16), (3, 16), (3, 2)])
 @pytest.mark.parametrize("name,num_heads,num_kv_heads,head_dim,block_size,kv_fp8", VARLEN_CASES[:3] + VARLEN_CASES[4:])
 def test_varlen_through_a_tile_map_matches_reference(name, num_heads, num_kv_heads, head_dim, block_size, kv_fp8,
-                                                     splits, split_seqs, split_launches, monkeypatch):
+                                                     splits, split_seqs, merge_launches, monkeypatch):
     """As a CUDA graph replays it (`varlen_graphs.py`): a grid of tile-map rows, the step's (sequence, query tile)
     pairs and the `splits` splits of each decode among its first `split_seqs` sequences first and empty rows after,
     host integers of another step (max_seqlen_q), padding token rows past the step's and padding sequences of no
@@ -406,11 +410,11 @@ def test_varlen_through_a_tile_map_matches_reference(name, num_heads, num_kv_hea
     triton_attention.varlen_attention(q, k, v, *caches, meta, head_dim ** -0.5, *scales, out=out)
     assert_close(out[:n], expected, dtype)
     assert (out[n:] == 7.0).all()
-    assert split_launches == ([(splits, triton_attention.MIN_SPLIT_TOKENS)] if splits > 1 else [])
+    assert merge_launches == ([(splits, triton_attention.MIN_SPLIT_TOKENS, splits)] if splits > 1 else [])
 
 
 @pytest.mark.parametrize("variant", [(32, 32, 4, 3), (128, 16, 8, 2)])
-def test_varlen_tiles_of_other_sizes_match_reference(variant, split_launches, monkeypatch):
+def test_varlen_tiles_of_other_sizes_match_reference(variant, merge_launches, monkeypatch):
     """NANOVLLM_VARLEN_TILE's other tiles (query rows, keys, warps, stages), through a tile map with split decodes:
     the map's query tiles follow the rows, and the merge finds the splits that keys of that size make (a decode of
     560 keys fills 4 splits of 160 or 144 keys in tiles of 32 or 16, 3 of 192 in tiles of 64)."""
@@ -427,7 +431,7 @@ def test_varlen_tiles_of_other_sizes_match_reference(variant, split_launches, mo
     meta = dataclasses.replace(meta, max_seqlen_q=0, tile_map=torch.from_numpy(tile_map).to(DEVICE), tile_map_splits=4)
     out = triton_attention.varlen_attention(q, k, v, *caches, meta, 64 ** -0.5)
     assert_close(out, expected, dtype)
-    assert split_launches == [(4, triton_attention.MIN_SPLIT_TOKENS)]
+    assert merge_launches == [(4, triton_attention.MIN_SPLIT_TOKENS, 4)]
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
@@ -642,9 +646,9 @@ def test_fp8_decode_splits_fill_an_sm_of_its_programs():
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
-def test_decode_splits_by_the_caches_bytes(kv_fp8, monkeypatch, split_launches):
+def test_decode_splits_by_the_caches_bytes(kv_fp8, monkeypatch, merge_launches):
     """decode_attention picks its splits by the cache's dtype: on 4 SMs, 8 programs (8 sequences, 1 KV head) fill
-    the GPU over a float32 cache (unsplit) and split in 3 over FP8 (24 programs: 6 an SM); the output is right
+    the GPU over a float32 cache (no merge) and split in 3 over FP8 (24 programs: 6 an SM); the output is right
     both ways."""
     monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)
     q, k, v, caches, meta = make_case([1] * 8, [300, 1, 70, 129, 64, 200, 2, 90], 2, 1, 64, 16, kv_fp8, seed=30)
@@ -653,7 +657,7 @@ def test_decode_splits_by_the_caches_bytes(kv_fp8, monkeypatch, split_launches):
     scales = (K_SCALE, V_SCALE) if kv_fp8 else (1.0, 1.0)
     out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125, *scales)
     assert_close(out, expected, torch.float32)
-    assert split_launches == ([(3, triton_attention.MIN_SPLIT_TOKENS)] if kv_fp8 else [])
+    assert merge_launches == ([(3, triton_attention.MIN_SPLIT_TOKENS, 3)] if kv_fp8 else [])
 
 
 @pytest.mark.parametrize("split_decodes", [0, 1])
@@ -700,8 +704,7 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
     tl = triton_attention.tl
     signature = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", out_ptr="*bf16",
                      partial_ptr="*fp32" if split else "*bf16",  # unsplit, the output stands in for the unused
-                     lse_ptr="*fp32" if split else "*bf16",  # partial, lse and counter
-                     counter_ptr="*i32" if split else "*bf16",
+                     lse_ptr="*fp32" if split else "*bf16",  # partial and lse
                      block_tables_ptr="*i32", context_lens_ptr="*i32", cu_seqlens_q_ptr="*i32",
                      tile_map_ptr="*i32", order_ptr="*i32", q_token_stride="i32",
                      q_head_stride="i32", kv_token_stride="i32", kv_head_stride="i32", block_table_stride="i32",
@@ -724,7 +727,6 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
     else:  # 64 rows of 32 tokens x 2 heads; a warm-up run (not paged) reads its own keys with a block size of 16
         warps, stages = 4, 2
         constexprs.update(QUERY_TILE=32, ROWS=64, KV_TILE=64, BLOCK_SIZE=256 if paged else 16)
-    constexprs["MERGE_SPLITS"] = triton_attention._merge_tile(constexprs, warps)
     return ("nanovllm.layers.triton_attention", "_attention_kernel", signature, constexprs,
             dict(num_warps=warps, num_stages=stages))
 
@@ -734,7 +736,8 @@ def test_kernels_compile_for_sm90():
     does (tests/test_triton_rope_store.py had a kernel that passed them and failed to compile on the H200).
     Attention: decode split and unsplit over a bf16 cache, split and unsplit (both tiles) over an FP8 one (chunked
     values), prefill over an FP8 cache, a warm-up's over its own keys and a graph's through a tile map, its decodes
-    split or not (the split ones with the merge of their last split); the KV store into both caches."""
+    split or not; the merges of a batch of one's 64 splits, of batch 8's 8 and of a graph's varlen step; the KV
+    store into both caches."""
     deep = triton_attention.FP8_DEEP_PROGRAMS_PER_SM
     cases = [attention_case("bf16", decode=True, split=True), attention_case("bf16", decode=True),
              attention_case("fp8e4nv", decode=True), attention_case("fp8e4nv", decode=True, programs_per_sm=deep),
@@ -742,6 +745,18 @@ def test_kernels_compile_for_sm90():
              attention_case("fp8e4nv", decode=False), attention_case("bf16", decode=False, paged=False),
              attention_case("bf16", decode=False, tile_map=True),
              attention_case("bf16", decode=False, tile_map=True, split=True)]
+    splits = triton_attention.decode_splits(1, 8, 132)
+    merge = dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", context_lens_ptr="*i32",
+                 cu_seqlens_q_ptr="*fp32", num_splits="i32", min_split_tokens="i32")  # (lse for the unused one)
+    cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel", merge,
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=splits, SPLITS=0, KV_TILE=64, VARLEN=False, PDL=True)))
+    cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel", merge,  # batch 8's, one dim a thread
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=16, SPLITS=8, KV_TILE=64, VARLEN=False, PDL=True),
+                  dict(num_warps=4)))
+    splits = triton_attention.VARLEN_DECODE_SPLITS
+    cases.append(("nanovllm.layers.triton_attention", "_merge_splits_kernel", {**merge, "cu_seqlens_q_ptr": "*i32"},
+                  dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=16, SPLITS=splits, KV_TILE=64, VARLEN=True, PDL=True),
+                  dict(num_warps=4)))
     for cache in ("bf16", "fp8e4nv"):  # k and v are slices of the qkv projection's [tokens, (16 + 2 * 8) * 128]
         cases.append(("nanovllm.layers.triton_kvstore", "_store_kvcache_kernel", dict(
             k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", slot_mapping_ptr="*i64",

@@ -16,7 +16,6 @@ if triton_skinny.triton is None:
 from nanovllm.layers.activation import GeluAndMul, SiluAndMul  # noqa: E402
 from nanovllm.layers.attention import VALUE_CHUNK  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
-from nanovllm.layers import triton_guard  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6
@@ -84,7 +83,7 @@ def test_skinny_matches_the_unfused_layers(m, n, k, block_k, bias, norm, gated, 
         assert out.shape == (m, n) and out.dtype == torch.float32
         assert rel_error(out, expected) < bound
     if block_k < k:
-        assert not triton_guard._counters["skinny", out.device].any()
+        assert not triton_skinny._counters[out.device].any()
 
 
 def test_plan_covers_every_k():
@@ -106,7 +105,7 @@ def test_the_plans_tiles_match_the_unfused_layers(m):
         torch.randn(m, 1024, generator=gen)
     out = fused(x, w, residual=res)
     assert rel_error(out, reference(x, w, residual=res)) < 1e-4
-    assert not triton_guard._counters["skinny", out.device].any()
+    assert not triton_skinny._counters[out.device].any()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -152,7 +151,7 @@ def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
                 assert_stored_as(cache, want)
             else:  # an FP8 value that a 1e-7 difference tips to its neighbour: one FP8 step (1/8) away
                 torch.testing.assert_close(cache.float(), want.float(), atol=1e-4, rtol=0.13 if fp8 else 1e-4)
-    assert not triton_guard._counters["skinny", out.device].any()
+    assert not triton_skinny._counters[out.device].any()
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
@@ -369,14 +368,11 @@ def test_epilogue_rounds_where_the_unfused_layers_do(block_k):
 
 def test_counters_grow_with_the_blocks():
     """A launch with more blocks of columns than the counters held so far gets as many zeroed counters as it has
-    blocks: a smaller one would let its last programs count in memory that is not theirs. The attention kernel's
-    counters are others."""
-    counters = triton_guard.zeroed_counters
-    blocks = counters("skinny", DEVICE, 8).numel() + 100
-    counter = counters("skinny", DEVICE, blocks)
+    blocks: a smaller one would let its last programs count in memory that is not theirs."""
+    blocks = triton_skinny._counter(DEVICE, 8).numel() + 100
+    counter = triton_skinny._counter(DEVICE, blocks)
     assert counter.numel() >= blocks and not counter.any()
-    assert counters("skinny", DEVICE, 8) is counter  # kept for the next launches
-    assert counters("attention", DEVICE, 8).data_ptr() != counter.data_ptr()
+    assert triton_skinny._counter(DEVICE, 8) is counter  # kept for the next launches
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
@@ -452,7 +448,7 @@ def test_parts_race_free_on_gpu():
         expected = reference(x.float(), w.float(), None, norm_weight, gated, res.float())
         out = fused(x, w, None, norm_weight, gated, res, config=(16, 256 << trial % 2, 4))
         assert rel_error(out, expected) < 1e-2, (trial, m)
-    assert not triton_guard._counters["skinny", out.device].any()  # (keyed by the tensors' device: cuda:0, not cuda)
+    assert not triton_skinny._counters[out.device].any()  # (keyed by the tensors' device: cuda:0, not cuda)
 
 
 def test_kernels_compile_for_sm90():

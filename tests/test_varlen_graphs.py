@@ -83,17 +83,17 @@ def run_engine(tiny_model, batch, params, graphs: bool, max_tokens: int = 48, ma
     the outputs and, for each step that was not decode-only, (tokens, sequences, leading decodes, merges of a
     varlen step's split decodes, whether it replayed a graph)."""
     steps, merges = [], []
-    kernel = triton_attention._attention_kernel
+    merge_splits = triton_attention.merge_splits
 
-    class CountedKernel:  # a varlen launch that splits its decodes (and merges them)
-        def __getitem__(self, grid):
-            return lambda *args, **kw: (merges.append(grid) if kw["SPLIT"] and not kw["DECODE"] else None,
-                                        kernel[grid](*args, **kw))
+    def counted_merge(*args, cu_seqlens_q=None, **kwargs):
+        if cu_seqlens_q is not None:  # a varlen step's
+            merges.append(args[0].shape)
+        return merge_splits(*args, cu_seqlens_q=cu_seqlens_q, **kwargs)
     # few sequences at a time: prompts start as others finish, beside their decodes
     with pytest.MonkeyPatch.context() as patch, LLM(
             tiny_model, kvcache_block_size=16, max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
             num_kvcache_blocks=40) as llm:
-        patch.setattr(triton_attention, "_attention_kernel", CountedKernel())
+        patch.setattr(triton_attention, "merge_splits", counted_merge)
         runner, config = llm.model_runner, llm.config
         backend = object.__new__(triton_attention.TritonBackend)  # its __init__ insists on CUDA
         runner.backend = backend

@@ -7,7 +7,7 @@ and `max_seqs` sequences is one graph per token count of `graph_sizes`, replayed
 host-to-device copy fills, like the decode graphs'; the LM head and the sampler run after it, eagerly, on the
 rows that sample. The varlen kernel's grid, which follows the step's shape, is fixed here: its programs take the
 rows of a tile map instead, each a (sequence, tile of its queries) or a (decode, split of its keys), and the rows
-past the step's return at once (`triton_attention.varlen_tile_map`); the last split of a decode merges its splits.
+past the step's return at once (`triton_attention.varlen_tile_map`); a second kernel merges the decodes' splits.
 
 A step takes the smallest size >= its token count. Its padding tokens (id 0, position 0, slot -1) flow through
 the rows of the linear layers, which are independent, and store nothing; no tile reads them. Padding sequences

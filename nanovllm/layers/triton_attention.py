@@ -15,15 +15,13 @@ instruction on sm89+ where bf16 takes several), in float32 (IEEE) for a float32 
 Decode splits the keys when `batch x num_kv_heads` programs would leave streaming multiprocessors idle: the
 split count comes from the batch size alone (fixed for a captured CUDA graph), each split's chunk from the
 sequence's context length on the device (`max(min_split_tokens, ceil(context / splits))`, whole tiles), so a
-short context uses fewer splits and a longer one after capture still reads every key. A context that fills one
-split is written by it as unsplit; else the splits write their normalised output and log-sum-exp in float32 and
-count themselves done on a counter of their (sequence, KV head), and the last one merges them (`_merge_splits`)
-and sets the counter back to 0: one launch, no merge kernel after it. A split past the context ends before its
-dependent-launch wait and writes nothing (the count of filled splits comes from the context); the others ask L2
-for their first keys before it (`KV_PREFETCH_TILES`). No host value changes per step.
+short context uses fewer splits and a longer one after capture still reads every key. Splits write their
+normalised output and log-sum-exp in float32; a second kernel merges them. A split past the context ends before
+its dependent-launch wait and writes nothing (the merge counts the filled splits from the context too); the
+others ask L2 for their first keys before it (`KV_PREFETCH_TILES`). No host value changes per step.
 
 The varlen path is the same kernel with tiles of queries; in a CUDA graph (a tile map), a decode among them also
-has programs of splits of its keys, merged the same way. Before the cache exists (a warm-up run) it reads
+has programs of splits of its keys, merged by the second kernel. Before the cache exists (a warm-up run) it reads
 this step's own keys and values instead of the cache. A mixed step that leads with many decodes
 (`split_decodes`) gives them to the decode kernel, which reads their keys at copy bandwidth where the varlen
 path, built for tiles of queries, does not; its prompts take the varlen path.
@@ -38,7 +36,7 @@ from nanovllm.layers import triton_kvstore
 from nanovllm.layers.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata, value_chunk
 
 from nanovllm.layers.triton_guard import TRITON_ERROR as _TRITON_ERROR, num_sms as _num_sms, pdl_args, require_triton
-from nanovllm.layers.triton_guard import tl, triton, triton_available, zeroed_counters
+from nanovllm.layers.triton_guard import tl, triton, triton_available
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -62,11 +60,15 @@ ONE_WAVE_PROGRAMS_PER_SM = 4
 # (bench.py's ragged contexts: 256 sequences 149.0 -> 141.1 us, 192 113.2 -> 109.9; decode notes, run 13)
 FP8_DEEP_PROGRAMS_PER_SM = 10
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
-# and this one past MANY_SPLITS splits (batch 1-2 on an H200), where 16 filled splits weighed as fast as 8: at
-# context ~1,000 batch 1 took 0.891-0.894 -> 0.856 ms a step, batch 2 0.976-0.995 -> 0.907 (session 28, when a
-# kernel of its own merged the splits). NANOVLLM_MIN_SPLIT_MANY overrides it
-MIN_SPLIT_TOKENS_MANY = int(os.environ.get("NANOVLLM_MIN_SPLIT_MANY", 64))
-MANY_SPLITS = 32
+# and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
+# batch 1-2 on an H200), which weighs 16 filled splits as fast as 8: at context ~1,000 batch 1 took 0.891-0.894 ->
+# 0.856 ms a step, batch 2 0.976-0.995 -> 0.907 (one dim a thread, more splits cost more: in session 28, 64 here
+# took batch 4 from 0.992 to 1.041). NANOVLLM_MIN_SPLIT_TILE overrides it
+MIN_SPLIT_TOKENS_TILE_MERGE = int(os.environ.get("NANOVLLM_MIN_SPLIT_TILE", 64))
+# the merge of at most this many splits keeps each dim in one thread (`_merge_splits_kernel`): on an H200 in a
+# decode step it took 1.3-1.9 us a layer at 2-8 splits where a tile across the threads took 6.6-7.1; at 64 splits
+# it took 3.6 against 3.3
+PER_THREAD_SPLITS = 32
 # split decode: tiles of keys (and values) a program asks L2 for before its dependent-launch wait, while the
 # previous kernel ends (CUDA only). On an H200 at context ~1,000, 2 tiles took batch 1 from 0.950 to 0.900 ms a
 # step and 32 from 1.974 to 1.940; 8 tiles were slower than none at 8 and 32, and unsplit steps (batch 256: 8.507
@@ -80,7 +82,7 @@ QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.ge
                                                                                    "64,64,4,2").split(","))
 # a varlen step of up to VARLEN_SPLIT_TOKENS tokens in a CUDA graph (`varlen_graphs.py`) splits the keys of each
 # decode among its first VARLEN_SPLIT_SEQS sequences into this many chunks (of MIN_SPLIT_TOKENS at least), merged
-# by the last of them: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
+# by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
 # H200, 6 decodes of ~600 keys beside a prompt of 256 tokens (a graph of 384): the attention took 24.0 -> 13.7 us a
 # layer, the step's kernels 2.06 -> 1.95 ms summed (the merge's wait for the attention counted in it). GPU time of
 # the mixed step, split / unsplit (ms; session 33): prompts of 64 1.53 / 1.77, 256 1.89 / 2.13, 512 2.53 / 2.53, 768
@@ -123,8 +125,8 @@ if triton is not None:
                 do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr",
                                                 "tile_map_ptr", "order_ptr"])
     def _attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, partial_ptr, lse_ptr, counter_ptr, block_tables_ptr, context_lens_ptr,
-        cu_seqlens_q_ptr, tile_map_ptr, order_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, partial_ptr, lse_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
+        tile_map_ptr, order_ptr,
         q_token_stride, q_head_stride, kv_token_stride, kv_head_stride, block_table_stride,
         qk_scale, v_scale, num_splits, min_split_tokens,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_TILE: tl.constexpr,
@@ -132,7 +134,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
         TILE_MAP: tl.constexpr, SPLIT_SEQS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PDL: tl.constexpr, ORDER: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
-        LINE_ELEMENTS: tl.constexpr, V_CHUNK: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+        LINE_ELEMENTS: tl.constexpr, V_CHUNK: tl.constexpr,
     ):
         # (`triton_skinny`): the step's metadata is the host's, which no kernel writes: read it while the previous
         # kernel ends; q and this step's keys are the previous kernels', read after the wait
@@ -167,11 +169,9 @@ if triton is not None:
                 partial_out = (query_len == 1) & (seq < SPLIT_SEQS)
                 seq_splits = tl.where(partial_out, num_splits, 1)
         chunk = _split_chunk(key_end, seq_splits, min_split_tokens, KV_TILE)
-        used = tl.maximum(tl.cdiv(key_end, chunk), 1)  # the splits with keys: the first `used`
         key_begin = split * chunk
         key_end = tl.minimum(key_end, key_begin + chunk)
         if SPLIT:
-            partial_out = partial_out & (used > 1)  # one split with keys writes the output itself
             if (split > 0) & (key_begin >= key_end):
                 return  # an empty split writes nothing (the merge counts the splits alike), so it need not wait
         block_row = block_tables_ptr + seq * block_table_stride
@@ -253,52 +253,71 @@ if triton is not None:
         out = acc * (v_scale / tl.where(seen, l, 1.0))[:, None]
         out_row = (q_begin + token).to(tl.int64) * (NUM_KV_HEADS * GROUP) + head
         out_mask = row_valid[:, None] & dim_valid[None, :]
-        if partial_out:  # rows of (sequence, head, split); the last of the sequence's splits to end merges them
+        if partial_out:  # rows of (sequence, head, split)
             split_row = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * num_splits + split
             tl.store(partial_ptr + split_row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
-            lse = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))  # -inf: a row with no key
+            lse = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))  # -inf: an empty split
             tl.store(lse_ptr + split_row, lse, mask=row_valid)
-            tl.debug_barrier()  # every thread's part is written before the counter says so
-            counter = counter_ptr + seq * NUM_KV_HEADS + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
-                _merge_splits(partial_ptr, lse_ptr, out_ptr, seq, kv_head, q_begin, used, num_splits,
-                              NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, MERGE_SPLITS)
-                tl.store(counter, 0)  # ready for the next launch
         else:
             tl.store(out_ptr + out_row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
                      mask=out_mask)
 
     @triton.jit
-    def _merge_splits(partial_ptr, lse_ptr, out_ptr, seq, kv_head, out_token, used, num_splits,
-                      NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, MERGE_SPLITS: tl.constexpr):
-        """The output of a (sequence, KV head)'s GROUP query heads from its first `used` splits' outputs (each
-        normalised over its keys), weighted by exp2 of their log-sum-exps over the sum of the weights; read from L2
-        (".cg"), where the other programs' stores are, MERGE_SPLITS splits a turn (the loop unrolled: the loads of
-        four turns may go out together)."""
-        splits = tl.arange(0, MERGE_SPLITS)[:, None, None]
-        heads = tl.arange(0, GROUP_PAD)[None, :, None]
-        dims = tl.arange(0, DIM_PAD)[None, None, :]
-        valid = (heads < GROUP) & (dims < HEAD_DIM)
-        rows = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + kv_head * GROUP + heads) * num_splits  # split 0's
-        top = tl.full([GROUP_PAD, DIM_PAD], -1e30, tl.float32)  # finite: a padding head's weights stay 0, not NaN
-        total = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        out = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        for first in tl.range(0, used, MERGE_SPLITS, loop_unroll_factor=4):
-            filled = (first + splits < used) & (heads < GROUP)
-            lse = tl.load(lse_ptr + rows + first + splits, mask=filled, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(partial_ptr + (rows + first + splits) * HEAD_DIM + dims, mask=filled & valid, other=0.0,
-                           cache_modifier=".cg")
-            new_top = tl.maximum(top, tl.max(lse, 0))
-            rescale = tl.exp2(top - new_top)
-            weight = tl.exp2(lse - new_top[None, :, :])
-            total = total * rescale + tl.sum(weight, 0)
-            out = out * rescale + tl.sum(weight * part, 0)
-            top = new_top
+    def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, cu_seqlens_q_ptr, num_splits,
+                             min_split_tokens, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                             SPLITS_PAD: tl.constexpr, SPLITS: tl.constexpr, KV_TILE: tl.constexpr,
+                             VARLEN: tl.constexpr, PDL: tl.constexpr):
+        """One (token, head) a program; VARLEN: one (sequence, head) of a varlen step, which merges only a
+        sequence of one query token (the attention kernel split only those) into that token's row. SPLITS
+        (num_splits, up to PER_THREAD_SPLITS; else 0): one dim a thread, each thread reads every split's lse (one
+        address across the warp) and its dim of every split's output, all at once (the splits unrolled), and weighs
+        them itself, so no value crosses threads. Else a tile of the splits across the threads, reduced across them
+        (fewer instructions a thread). KV_TILE (the decode kernel's): only the splits that the token's context
+        fills were written (`_split_chunk`); else all."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # token * num_heads + head
+        out_row = row
+        if KV_TILE:  # the context is the host's: loaded before the wait, used after it (not to hold the wait up)
+            context_len = tl.load(context_lens_ptr + tl.program_id(0))
+        if VARLEN:
+            q_begin = tl.load(cu_seqlens_q_ptr + tl.program_id(0))
+            query_len = tl.load(cu_seqlens_q_ptr + tl.program_id(0) + 1) - q_begin
+            out_row = q_begin.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        if PDL:  # every program waits, so that the kernel ends after the attention (whose prompt rows come next)
+            tl.extra.cuda.gdc_wait()
+        if VARLEN:
+            if query_len != 1:
+                return
+        used = num_splits
+        if KV_TILE:
+            used = tl.maximum(tl.cdiv(context_len, _split_chunk(context_len, num_splits, min_split_tokens, KV_TILE)),
+                              1)
+        dims = tl.arange(0, DIM_PAD)
+        if SPLITS:  # every split's loads at once, none of them waiting for `used`: it only picks what is summed
+            top = tl.load(lse_ptr + row * SPLITS)  # (split 0 is always written)
+            for s in tl.static_range(1, SPLITS):
+                top = tl.maximum(top, tl.where(s < used, tl.load(lse_ptr + row * SPLITS + s), float("-inf")))
+            top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: each weighs 0 below
+            total = 0.0
+            out = tl.zeros([DIM_PAD], tl.float32)
+            for s in tl.static_range(SPLITS):  # an empty split (lse -inf) weighs 0, an unwritten one is left out
+                weight = tl.exp2(tl.where(s < used, tl.load(lse_ptr + row * SPLITS + s), float("-inf")) - top)
+                partial = tl.load(partial_ptr + (row * SPLITS + s) * HEAD_DIM + dims, mask=dims < HEAD_DIM, other=0.0)
+                out += tl.where(s < used, weight * partial, 0.0)
+                total += weight
+        else:
+            splits = tl.arange(0, SPLITS_PAD)
+            lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < used, other=float("-inf"))
+            top = tl.max(lse, 0)
+            weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # an empty split weighs 0
+            mask = (splits < used)[:, None] & (dims < HEAD_DIM)[None, :]
+            partial = tl.load(partial_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+                              mask=mask, other=0.0)
+            total = tl.sum(weight, 0)
+            out = tl.sum(weight[:, None] * partial, 0)
         out = out / tl.where(total > 0, total, 1.0)
-        out_rows = out_token.to(tl.int64) * (NUM_KV_HEADS * GROUP) + kv_head * GROUP + tl.arange(0, GROUP_PAD)[:, None]
-        tl.store(out_ptr + out_rows * HEAD_DIM + tl.arange(0, DIM_PAD)[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(tl.arange(0, GROUP_PAD) < GROUP)[:, None] & (tl.arange(0, DIM_PAD) < HEAD_DIM)[None, :])
+        tl.store(out_ptr + out_row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kv_itemsize: int = 2) -> int:
@@ -378,7 +397,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = decode_splits(batch, kv_heads, sms, itemsize)
     if min_split_tokens is None:
-        min_split_tokens = MIN_SPLIT_TOKENS if num_splits <= MANY_SPLITS else MIN_SPLIT_TOKENS_MANY
+        min_split_tokens = MIN_SPLIT_TOKENS if num_splits <= PER_THREAD_SPLITS else MIN_SPLIT_TOKENS_TILE_MERGE
     v_chunk = value_chunk(v_cache)
     one_wave = num_splits == 1 and batch * kv_heads <= ONE_WAVE_PROGRAMS_PER_SM * sms
     tile, warps, stages = decode_tile(head_dim, itemsize, num_splits > 1, block_size, v_chunk, one_wave,
@@ -394,36 +413,41 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                         compute_dtype or _compute_dtype(q.dtype, k_cache.dtype))
     rows = max(16, args["GROUP_PAD"])
     split = num_splits > 1
-    partial, lse, counter = _split_outputs(batch, num_heads, kv_heads, num_splits, head_dim, q.device) if split \
-        else (out, out, out)
+    partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device) \
+        if split else out
+    lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device) if split else out
     pdl = pdl_args(q.device)
     line = 128 // itemsize  # elements of a 128-byte line
     prefetch = KV_PREFETCH_TILES if pdl["PDL"] and split else 0  # (the interpreter runs no PTX)
     _attention_kernel[(num_splits, kv_heads, batch)](
-        q, k_cache, v_cache, out, partial, lse, counter, block_tables, context_lens, context_lens, context_lens,
+        q, k_cache, v_cache, out, partial, lse, block_tables, context_lens, context_lens, context_lens,
         order if order is not None else context_lens,
         q.stride(0), q.stride(1), kv_heads * head_dim, head_dim, block_tables.stride(0),
         num_splits=num_splits, min_split_tokens=min_split_tokens, QUERY_TILE=1, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, TILE_MAP=False, SPLIT_SEQS=0,
         ORDER=order is not None, PREFETCH=prefetch, LINES=max(1, args["DIM_PAD"] // line), LINE_ELEMENTS=line,
-        V_CHUNK=v_chunk, MERGE_SPLITS=_merge_tile(args, warps), num_warps=warps, num_stages=stages, **args, **pdl)
+        V_CHUNK=v_chunk, num_warps=warps, num_stages=stages, **args, **pdl)
+    if split:
+        merge_splits(partial, lse, out, (context_lens, min_split_tokens, tile))
     return out
 
 
-def _split_outputs(seqs: int, num_heads: int, kv_heads: int, splits: int, head_dim: int, device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where the splits of `seqs` sequences' keys leave their outputs for the merge: partial [seqs, num_heads,
-    splits, head_dim] and lse [seqs, num_heads, splits] float32 (only the splits with keys write theirs), and a
-    counter a (sequence, KV head), at zero."""
-    return (torch.empty(seqs, num_heads, splits, head_dim, dtype=torch.float32, device=device),
-            torch.empty(seqs, num_heads, splits, dtype=torch.float32, device=device),
-            zeroed_counters("attention", device, seqs * kv_heads))
-
-
-def _merge_tile(args: dict, warps: int) -> int:
-    """Splits a turn of a program's merge (`_merge_splits`): 16 values a thread of each kind (the kernel's
-    registers peak in its loop over the keys, not here)."""
-    return max(1, min(16, 16 * 32 * warps // (args["GROUP_PAD"] * args["DIM_PAD"])))
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
+                 written: tuple[torch.Tensor, int, int] | None = None, cu_seqlens_q: torch.Tensor | None = None):
+    """out [tokens, heads, head_dim] = the splits' outputs (partial [tokens, heads, splits, head_dim] float32, each
+    normalised over its keys) weighted by exp2(lse [tokens, heads, splits]), over the sum of the weights.
+    `written`: (context_lens, min_split_tokens, kv_tile) of the decode kernel that wrote them, which leaves the
+    splits past each token's context unwritten; None: every split was written. `cu_seqlens_q`: partial's rows are
+    a varlen step's sequences, of which only those of one query token are merged, into out's row of that token."""
+    tokens, heads, splits, head_dim = partial.shape
+    dim_pad = _dim_pad(head_dim)
+    per_thread = splits <= PER_THREAD_SPLITS
+    context_lens, min_split_tokens, kv_tile = written or (lse, 0, 0)
+    _merge_splits_kernel[(tokens, heads)](
+        partial, lse, out, context_lens, cu_seqlens_q if cu_seqlens_q is not None else lse, splits,
+        min_split_tokens, HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=max(16, triton.next_power_of_2(splits)),
+        SPLITS=splits if per_thread else 0, KV_TILE=kv_tile, VARLEN=cu_seqlens_q is not None,
+        num_warps=max(1, min(8, dim_pad // 32)) if per_thread else 4, **pdl_args(partial.device))
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -432,7 +456,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     """Any batch (prefill, prefix, decode, mixed): q [num_tokens, num_heads, head_dim]; causal, aligned to the end
     of each context. With an empty cache (warm-up) it attends over this step's k and v instead. Writes only the
     rows of the sequences in `meta` (whose cu_seqlens_q index q's rows), into `out` when given. Through a tile map
-    of `meta.tile_map_splits` programs a decode, the last of a decode's splits merges them."""
+    of `meta.tile_map_splits` programs a decode, the decodes' splits are merged by a second kernel."""
     require_triton("the Triton attention kernels")
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.size(1)
@@ -464,19 +488,21 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     else:
         assert tile_map.is_contiguous() and tile_map.shape[1] == 2
         grid = (tile_map.size(0), 1, kv_heads)
-    partial = lse = counter = out
+    partial = lse = out
     if splits > 1:  # a decode's splits, by sequence (padding sequences included: they write nothing)
         seqs = min(meta.cu_seqlens_q.numel() - 1, VARLEN_SPLIT_SEQS)
-        partial, lse, counter = _split_outputs(seqs, num_heads, kv_heads, splits, head_dim, q.device)
+        partial = torch.empty(seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     _attention_kernel[grid](
-        q, keys, values, out, partial, lse, counter, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+        q, keys, values, out, partial, lse, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
         meta.cu_seqlens_q if tile_map is None else tile_map, meta.cu_seqlens_q,  # (the order: unused)
         q.stride(0), q.stride(1), token_stride, head_stride, meta.block_tables.stride(0),
         num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=False, PAGED=paged, SPLIT=splits > 1, TILE_MAP=tile_map is not None,
         SPLIT_SEQS=VARLEN_SPLIT_SEQS, ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1,
-        V_CHUNK=v_chunk, MERGE_SPLITS=_merge_tile(args, VARLEN_WARPS), num_warps=VARLEN_WARPS,
-        num_stages=VARLEN_STAGES, **args, **pdl_args(q.device))
+        V_CHUNK=v_chunk, num_warps=VARLEN_WARPS, num_stages=VARLEN_STAGES, **args, **pdl_args(q.device))
+    if splits > 1:
+        merge_splits(partial, lse, out, (meta.context_lens, MIN_SPLIT_TOKENS, tile), cu_seqlens_q=meta.cu_seqlens_q)
     return out
 
 

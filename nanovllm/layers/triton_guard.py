@@ -63,17 +63,3 @@ def pdl_args(device: torch.device) -> dict:
     """A launch's arguments for programmatic dependent launch: the kernels' PDL constexpr, which places their
     `gdc_wait`, and Triton's launch option where `pdl_launch` says so."""
     return dict(PDL=True, launch_pdl=True) if pdl_launch(device) else dict(PDL=False)
-
-
-_counters: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def zeroed_counters(owner: str, device: torch.device, count: int) -> torch.Tensor:
-    """int32 zeros for `owner`'s kernels, at least `count`, that every launch leaves at zero (its last program of
-    a group resets the group's counter). First allocated by the warm-up's eager steps, before any CUDA graph is
-    captured; each owner has its own, so that no two kernels' counters meet."""
-    counter = _counters.get((owner, device))
-    if counter is None or counter.numel() < count:  # (zeros made inside a capture would be zeros only in its replays)
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "counters made during a capture"
-        counter = _counters[owner, device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-    return counter

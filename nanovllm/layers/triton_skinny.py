@@ -35,7 +35,7 @@ import os
 import torch
 
 from nanovllm.layers.attention import FP8_DTYPE, value_chunk
-from nanovllm.layers.triton_guard import pdl_args, pdl_launch, require_triton, tl, triton, zeroed_counters
+from nanovllm.layers.triton_guard import pdl_args, pdl_launch, require_triton, tl, triton
 from nanovllm.layers.triton_kvstore import cache_offsets, quantize_fp8
 from nanovllm.layers.triton_rope_store import RopeStoreArgs, norm_and_rotate
 
@@ -222,6 +222,7 @@ if triton is not None:
                           RESIDUAL)
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
 # up to this many rows a program of a normed product in parts loads its rows whole for their sums of squares; past
 # them each part sums its own columns' squares and the last part applies rstd to the sums. On an H200 (context
 # ~1,000, ms a step, two calls in opposite orders) the parts' own squares took 32 sequences from 1.916 / 1.927 to
@@ -270,6 +271,15 @@ def fuses_rope(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
     return ROPE and fits(x, w) and head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
+def _counter(device: torch.device, blocks: int) -> torch.Tensor:
+    """Zeros, one per block of columns, that every launch leaves at zero (first allocated by the warm-up's eager
+    steps, before any CUDA graph is captured)."""
+    counter = _counters.get(device)
+    if counter is None or counter.numel() < blocks:
+        counter = _counters[device] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+    return counter
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                   norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
                   residual: torch.Tensor | None = None, rope: RopeStoreArgs | None = None,
@@ -309,7 +319,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     norm_weight, eps = norm if norm is not None else (out, 0.0)
     _skinny_kernel[(blocks, parts)](
         x, w, bias if bias is not None else out, norm_weight, residual if residual is not None else out, out,
-        partial, zeroed_counters("skinny", x.device, blocks) if split else out, m, n, k, x.stride(0), w.stride(0),
+        partial, _counter(x.device, blocks) if split else out, m, n, k, x.stride(0), w.stride(0),
         residual.stride(0) if residual is not None else 0, eps, parts, *rope_args, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, NORM=norm is not None, GATED=gated,
         RESIDUAL=residual is not None, SPLIT=split,
