@@ -231,12 +231,9 @@ def test_kernel_warmup_steps_stay_within_the_configs_bounds(max_len, budget, num
     step holds at most max_num_seqs sequences (two where that is one: a decode beside a chunk), and the large
     round has a prefill step of half the budget, as far as max_num_seqs - 1 half-contexts hold it."""
     from types import SimpleNamespace
-    from nanovllm.engine.model_runner import ModelRunner
-    steps = []
-    runner = SimpleNamespace(config=SimpleNamespace(max_model_len=max_len, max_num_seqs=num_seqs,
-                                                    max_num_batched_tokens=budget),
-                             block_size=block, run=steps.append)
-    ModelRunner.warmup_kernels(runner)
+    from nanovllm.engine.warmup import kernel_warmup_steps
+    config = SimpleNamespace(max_model_len=max_len, max_num_seqs=num_seqs, max_num_batched_tokens=budget)
+    steps = list(kernel_warmup_steps(config, block))
     for seqs in steps:
         assert 1 <= len(seqs) <= max(num_seqs, 2)
         for seq in seqs:

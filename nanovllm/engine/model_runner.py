@@ -1,4 +1,5 @@
-"""One tensor-parallel rank: device, process group, weights, KV cache, and the forward + sample of a step.
+"""One tensor-parallel rank: device, process group, weights, KV cache (`kv_cache.py`), the warm-up steps
+(`warmup.py`), and the forward + sample of a step.
 
 Rank 0 lives in the caller's process and drives the others: `call(method, *args)` sends the call through the
 shared-memory channel (`tp_channel.py`), then runs the same method itself. Workers sit in `loop()` until they
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine import kv_cache
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.penalty_slots import PenaltySlots
 from nanovllm.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
@@ -35,6 +37,7 @@ from nanovllm.engine.step_inputs import StepInputs, step_inputs
 from nanovllm.engine.step_output import StepOutput
 from nanovllm.engine.tp_channel import Channel
 from nanovllm.engine.varlen_graphs import VarlenGraphs
+from nanovllm.engine.warmup import kernel_warmup_steps, sizing_prefill
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionMetadata, get_backend, resolve_backend_name
 from nanovllm.layers.layernorm import RMSNorm
@@ -48,7 +51,6 @@ from nanovllm.utils.loader import load_model
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CACHE_SHARE = 0.25  # of available RAM, at most, for the cache on CPU
 ARRIVED = "nanovllm-workers-arrived"  # the rendezvous' count of workers that reached it
 DEVICE_FREE_TIMEOUT = 5  # s that rank 0 gives its GPU to finish after a worker died
 
@@ -58,14 +60,6 @@ def abort_process_group():
     gloo's collectives fail on their own."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros, but on CPU from calloc (numpy's zeros): the OS maps in zeroed pages as they are first touched,
-    so a cache sized for the worst case (a gigabyte for the tiny test model) costs no time to write at start."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(int(np.prod(shape)) * dtype.itemsize, np.uint8)).view(dtype).view(shape)
 
 
 @contextmanager
@@ -254,100 +248,41 @@ class ModelRunner:
             self.channel.post(method_name, *args)
         return getattr(self, method_name)(*args)
 
-    # ---- KV cache -----------------------------------------------------------------------------------
+    # ---- KV cache and warm-up -----------------------------------------------------------------------
     def allocate_kv_cache(self):
-        config, attn_layers = self.config, self.attn_layers
-        num_kv_heads, head_dim = attn_layers[0].num_kv_heads, attn_layers[0].head_dim
-        kv_dtype = config.kv_cache_torch_dtype  # FP8: one byte a value, so twice the tokens in the same memory
-        self.backend.check(self.block_size, head_dim, kv_dtype)
-        block_bytes = 2 * len(attn_layers) * self.block_size * num_kv_heads * head_dim * kv_dtype.itemsize
-        num_blocks = self._num_kv_blocks(block_bytes)
+        config, attn_layers, dtype = self.config, self.attn_layers, self.config.kv_cache_torch_dtype
+        self.backend.check(self.block_size, attn_layers[0].head_dim, dtype)
+        num_blocks = self._num_kv_blocks(kv_cache.block_bytes(attn_layers, self.block_size, dtype))
         if self.world_size > 1:  # every rank must hold the same number of blocks
             t = torch.tensor([num_blocks], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             num_blocks = int(t.item())
-        capacity = num_blocks * self.block_size
-        if capacity < config.max_model_len:
-            if config.device == "cuda" and config.num_kvcache_blocks < 0:
-                raise ValueError(
-                    f"the KV cache fits {capacity} tokens ({num_blocks} blocks of {self.block_size}), fewer than "
-                    f"max_model_len={config.max_model_len}; raise gpu_memory_utilization or lower max_model_len")
-            logger.warning("max_model_len lowered from %d to %d: the KV cache holds %d blocks of %d tokens",
-                           config.max_model_len, capacity, num_blocks, self.block_size)
-            config.max_model_len = capacity
-        config.num_kvcache_blocks = num_blocks
-        # zeros, not empty: a kernel may read the rows past a sequence's end in its last block (then masked)
-        self.kv_cache = zeros((2, len(attn_layers), num_blocks, self.block_size, num_kv_heads, head_dim), kv_dtype,
-                              self.device)
-        for i, layer in enumerate(attn_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        kv_cache.fit_to_blocks(config, num_blocks, self.block_size)
+        self.kv_cache = kv_cache.make_kv_cache(attn_layers, num_blocks, self.block_size, dtype, self.device)
 
     def _num_kv_blocks(self, block_bytes: int) -> int:
         config = self.config
         if config.num_kvcache_blocks > 0:
             return config.num_kvcache_blocks
-        if config.device == "cuda":
-            self.warmup_model()
-            free, total = torch.cuda.mem_get_info()
-            # only this process's own peak counts, so another process on the GPU cannot starve the sizing
-            budget = total * config.gpu_memory_utilization - torch.cuda.max_memory_allocated()
-            return max(int(budget) // block_bytes, 0)
-        enough = -(-config.max_num_seqs * config.max_model_len // self.block_size)
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return max(min(enough, int(available * CPU_KV_CACHE_SHARE) // block_bytes), 1)
+        if config.device != "cuda":
+            return kv_cache.cpu_blocks(config, self.block_size, block_bytes)
+        self.warmup_model()
+        free, total = torch.cuda.mem_get_info()
+        # only this process's own peak counts, so another process on the GPU cannot starve the sizing
+        budget = total * config.gpu_memory_utilization - torch.cuda.max_memory_allocated()
+        return max(int(budget) // block_bytes, 0)
 
     def warmup_model(self):
         """One prefill of the largest batch, so the peak activation memory is known before sizing the cache."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        max_tokens, max_len = self.config.max_num_batched_tokens, self.config.max_model_len
-        num_seqs = min(max_tokens // max_len, self.config.max_num_seqs) or 1
-        seqs = [Sequence([0] * min(max_len, max_tokens)) for _ in range(num_seqs)]
-        for seq in seqs:
-            seq.num_scheduled_tokens = seq.num_tokens
-        self.run(seqs)
+        self.run(sizing_prefill(self.config))
         torch.cuda.empty_cache()
 
     def warmup_kernels(self):
-        """Run each kind of step the scheduler makes, at the shapes that pick a kernel variant, so that kernels
-        which compile on first use (flash-attn-4 compiles one per variant; torch.compile) do it here rather than
-        mid-serving. Twice: small steps (which the Triton varlen kernel takes where flash-attn-4 would cost more
-        host time than device time) and steps of half the token budget (flash-attn-4's). Each time: a decode
-        beside a prefill chunk after a cached prefix; a decode beside a 2-token chunk (flash-attn-4 runs steps
-        whose longest chunk fits one tile of query rows with a kernel of its own); the widest steps, of
-        max_num_seqs sequences (over 256, flash-attn-4 adds a lookup to its scheduler), with many decodes and
-        one chunk (a mixed step that splits off its decodes; the first time also with fewer decodes) and with
-        short chunks only; a prefix prefill alone; then a decode-only step. No position reaches max_model_len (at
-        most the cache's tokens and the model's max_position_embeddings, where its rope table ends): where half
-        the budget is more than half a context, its chunks are those of several sequences."""
-        max_len, num_seqs = self.config.max_model_len, self.config.max_num_seqs
-
-        def seq(num_computed: int, length: int) -> Sequence:
-            seq = Sequence([0] * length)
-            seq.block_table = list(range(-(-length // self.block_size)))  # the cache holds nothing yet
-            seq.num_computed_tokens, seq.num_scheduled_tokens = num_computed, length - num_computed
-            return seq
-
-        def chunks(tokens: int, length: int) -> list[Sequence]:
-            """Chunks of `tokens` in all, each the second half of a context, as many as fit beside a decode."""
-            half = max(length // 2, 1)
-            return [seq(length - half, length) for _ in range(min(-(-tokens // half), max(num_seqs - 1, 1)))]
-        budget, block = self.config.max_num_batched_tokens, self.block_size
-        for i, (length, tokens) in enumerate(sorted({(min(2 * block, max_len), max(min(block, max_len // 2), 1)),
-                                                     (min(budget, max_len), max(budget // 2, 1))})):
-            chunk = min(max(2, tokens // num_seqs), length)
-            self.run([seq(length - 1, length), *chunks(tokens, length)])
-            self.run([seq(length - 1, length), seq(max(length - 2, 0), length)])
-            prefills = chunks(tokens, length)
-            most = num_seqs - len(prefills)  # first also every power of two fewer decodes: a decode kernel may
-            # pick its variant by the batch's programs an SM (`triton_attention.decode_tile`: ranges of a factor
-            # of 2 or more, each of which holds a power of two)
-            for decodes in sorted({most, *(1 << k for k in range(most.bit_length()) if 1 << k < most)}) \
-                    if i == 0 else [most]:
-                self.run([seq(length - 1, length) for _ in range(decodes)] + prefills)
-            self.run([seq(length - chunk, length) for _ in range(num_seqs)])
-            self.run(chunks(tokens, length))
-        self.run([seq(length - 1, length)])  # a decode-only step: backends may have a kernel of its own
+        """Each step of `warmup.kernel_warmup_steps`, so that kernels compiled on first use compile now."""
+        for seqs in kernel_warmup_steps(self.config, self.block_size):
+            self.run(seqs)
 
     # ---- a step -------------------------------------------------------------------------------------
     def prepare(self, inputs: StepInputs, temperatures: np.ndarray | None):
