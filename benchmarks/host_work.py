@@ -18,6 +18,7 @@ item 4), timed on CPU:
 """
 import argparse
 import asyncio
+import gc
 import pickle
 import random
 import statistics
@@ -211,12 +212,16 @@ def main():
         print(f"{num_blocks:>8} | {row['hit']:>10.3f} | {row['miss']:>8.3f} | {row['retry']:>14.3f}")
 
     tokenizer = AutoTokenizer.from_pretrained(default_checkpoint("tiny"))
+    # what exists now leaves the collector's sight, as in an engine once it is set up (`ModelRunner`): else a full
+    # collection over transformers' and torch's objects lands in whichever row comes first (it made the first
+    # asyncio row 4-8x slower than the same row run again, session 45)
+    gc.collect()
+    gc.freeze()
     print(f"\nsubmit handle, per token over {args.tokens} tokens (tiny tokenizer)")
     print(f"{'read by':>22} | {'loop thread us':>14} | {'reader us':>9} | {'decodes/token':>13}")
     for how in ("result() only", "iterated", "iterated at the end", "asyncio listener", "stop string"):
         row = handle_row(tokenizer, how, args.tokens, rng)
         print(f"{how:>22} | {row['loop']:>14.2f} | {row['reader']:>9.2f} | {row['decodes']:>13.2f}")
-
 
     print(f"\nsampling step, 256 sequences x 2,000 tokens, vocabulary {VOCAB}, CPU, median of {args.steps} (ms)")
     print(f"{'rows':>22} | {'build':>8} | {'sample':>8} | {'step':>8} | {'x plain':>7}")
@@ -235,6 +240,7 @@ def main():
     print(f"{'posted as':>22} | {'rank 0 pickles':>14} | {'worker unpickles + builds':>25} | {'bytes':>7}")
     for name, (post, take, size) in channel_rows(256, args.repeat, rng).items():
         print(f"{name:>22} | {post:>14.1f} | {take:>25.1f} | {size:>7}")
+    gc.unfreeze()
 
 
 if __name__ == "__main__":
