@@ -1,7 +1,8 @@
 """The steps an engine on CUDA runs before it serves: a prefill of the largest batch before the KV cache is sized
 (`sizing_prefill`: its peak activation memory is what the cache must leave free), then a step of each kind that
 the scheduler makes (`kernel_warmup_steps`), so that kernels compiled on first use compile at start rather than
-mid-serving. Neither step reads the cache: their sequences' block tables point at blocks that hold nothing yet."""
+mid-serving. The kernel warm-up's sequences write and read the cache's first blocks; serving stores every position
+of a block before it reads it, so what they leave there is never read."""
 from collections.abc import Iterator
 
 from nanovllm.config import Config
