@@ -99,6 +99,25 @@ def test_preemption_under_a_tiny_cache(tiny_model, hf_model):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_a_cpu_cache_holds_max_num_seqs_contexts_in_whole_blocks(tiny_model):
+    """Sized on CPU (no num_kvcache_blocks): the cache holds max_num_seqs sequences of max_model_len, rounded up
+    to whole blocks (3 x 100 tokens: 19 blocks of 16), and the size of a block it was sized by is that of one
+    block of the cache, keys and values of every layer."""
+    from nanovllm.engine.kv_cache import block_bytes
+    with LLM(tiny_model, kvcache_block_size=16, max_num_seqs=3, max_model_len=100) as llm:
+        runner, cache = llm.model_runner, llm.model_runner.kv_cache
+        assert llm.config.num_kvcache_blocks == cache.size(2) == 19 and llm.config.max_model_len == 100
+        assert block_bytes(runner.attn_layers, 16, cache.dtype) == cache[:, :, 0].nbytes
+
+
+def test_a_cache_one_token_short_of_max_model_len_lowers_it(tiny_model):
+    """4 blocks of 16 hold 64 tokens: max_model_len 65 is lowered to 64, and a prompt of 65 tokens is refused."""
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=4, max_model_len=65) as llm:
+        assert llm.config.max_model_len == 64
+        with pytest.raises(ValueError, match="more than max_model_len=64"):
+            llm.generate([list(range(3, 68))], use_tqdm=False)
+
+
 def test_stops_at_max_model_len(tiny_model):
     llm = LLM(tiny_model, kvcache_block_size=16, max_model_len=30)
     out = llm.generate([list(range(3, 28))], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
@@ -243,6 +262,23 @@ def test_kernel_warmup_steps_stay_within_the_configs_bounds(max_len, budget, num
     prefills = [sum(seq.num_scheduled_tokens for seq in seqs) for seqs in steps
                 if all(seq.num_computed_tokens < seq.num_tokens - 1 for seq in seqs)]
     assert max(prefills, default=0) >= min(budget // 2, max(num_seqs - 1, 1) * (min(budget, max_len) // 2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(max_len=st.integers(1, 600), budget=st.integers(1, 2000), num_seqs=st.integers(1, 40))
+def test_the_sizing_prefill_is_the_largest_step_the_scheduler_makes(max_len, budget, num_seqs):
+    """The prefill that sizes the KV cache on CUDA (its peak activation memory is what the cache must leave free)
+    is the largest the scheduler can make: as many whole contexts of max_model_len as the token budget and
+    max_num_seqs allow, or one context cut to the budget; each computes all its tokens and samples."""
+    from types import SimpleNamespace
+    from nanovllm.engine.warmup import sizing_prefill
+    config = SimpleNamespace(max_model_len=max_len, max_num_seqs=num_seqs, max_num_batched_tokens=budget)
+    seqs = sizing_prefill(config)
+    assert len(seqs) == max(min(budget // max_len, num_seqs), 1)
+    for seq in seqs:
+        assert seq.num_tokens == min(max_len, budget) and seq.num_computed_tokens == 0
+        assert seq.num_scheduled_tokens == seq.num_tokens and seq.samples_this_step
+    assert sum(seq.num_scheduled_tokens for seq in seqs) <= budget
 
 
 def test_kernel_warmup_fits_a_cache_smaller_than_the_token_budget(tiny_model, monkeypatch):

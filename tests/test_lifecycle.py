@@ -273,6 +273,27 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves_on(ti
         assert_serves_on(llm, expected)
 
 
+def test_a_step_whose_tokens_fail_to_arrive_is_dropped_with_its_requests(tiny_model, monkeypatch):
+    """A launched step whose output raises when read (its copy to the host failed) fails the requests in flight
+    and is dropped with them: the engine's next step does not read it again, and the engine serves on."""
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        expected = llm.generate([PROMPT], GREEDY)[0]["token_ids"]
+        real_run, faults = llm.model_runner.run, []
+
+        def run_with_a_broken_output(seqs):
+            output = real_run(seqs)
+            if len(seqs) == 2 and not faults:  # both requests below in flight
+                faults.append(output)
+                output.result = raising(RuntimeError("injected output fault"))  # whenever it is read
+            return output
+
+        monkeypatch.setattr(llm.model_runner, "run", run_with_a_broken_output)
+        with pytest.raises(RuntimeError, match="injected output fault"):
+            within(30, llm.generate, [[4, 5], [6]], LONG)
+        assert len(faults) == 1
+        assert_serves_on(llm, expected)
+
+
 def test_a_failing_step_fails_its_requests_even_when_emptying_the_scheduler_fails(tiny_model, monkeypatch):
     # a scheduler that raised mid-step may be in no state to abort its sequences either
     with LLM(tiny_model, kvcache_block_size=16) as llm:
@@ -509,6 +530,50 @@ def test_nano_vllm_add_request_step_loop(tiny_model):
     assert [outputs[i] for i in request_ids] == [o["token_ids"] for o in expected]
 
 
+@pytest.mark.parametrize("async_scheduling, counts", [(True, [3, -1, -1, 0]), (False, [3, -1])])
+def test_step_counts_prefill_tokens_then_minus_decodes_until_the_token_in_flight_is_dropped(
+        tiny_model, monkeypatch, async_scheduling, counts):
+    """step() returns a prefill step's tokens and minus a decode step's sequences. With overlap, the step that
+    samples a stop token has already launched the next one: is_finished() stays False until a last step (which
+    computes nothing) has taken that step in flight and dropped its token. Then the engine holds nothing of the
+    request: not its sequence, nor its handle (a long-serving engine would otherwise keep every one)."""
+    with LLM(tiny_model, kvcache_block_size=16, async_scheduling=async_scheduling) as llm:
+        script_tokens(monkeypatch, llm, [A, W, B, B, B, B])
+        request_id = llm.add_request(PROMPT, SamplingParams(max_tokens=6, stop_token_ids=[W])).request_id
+        steps = []
+        while not llm.is_finished():
+            steps.append(llm.step())
+        assert [num_tokens for _, num_tokens in steps] == counts
+        assert [finished for finished, _ in steps if finished] == [[(request_id, [A, W])]]
+        assert not llm._loop.handles and not llm.scheduler.running and llm._in_flight is None
+
+
+def test_a_steps_throughput_counts_from_its_launch_after_a_pause(tiny_model, monkeypatch):
+    """The progress bar's tokens a second: a step's time runs from when the step before it completed (steps
+    overlap), but after a pause from the step's own launch, so the idle time is not counted. Here on a fake
+    clock, where reading a step's tokens takes 1 s."""
+    from nanovllm.engine import llm_engine
+    clock = [0.0]
+    monkeypatch.setattr(llm_engine, "perf_counter", lambda: clock[0])
+    result = StepOutput.result
+
+    def one_second(output):
+        clock[0] += 1
+        return result(output)
+
+    monkeypatch.setattr(StepOutput, "result", one_second)
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        for pause in (0, 100):
+            clock[0] += pause
+            llm.add_request([5, 6, 7, 8], GREEDY)
+            llm.step()  # the prefill's launch
+            llm.step()  # a decode's launch, then the prefill's tokens: 4 tokens in 1 s
+            assert llm._throughput["Prefill"] == "4tok/s"
+            while not llm.is_finished():
+                llm.step()
+            assert llm._throughput["Decode"] == "1tok/s"
+
+
 # ---- stop strings --------------------------------------------------------------------------------------
 W, Q, A, B = 89, 83, 67, 68  # "w", "q", "a", "b" in the tiny tokenizer
 
@@ -519,6 +584,7 @@ W, Q, A, B = 89, 83, 67, 68  # "w", "q", "a", "b" in the tiny tokenizer
     ([A, B, B, B, B, W, B, B, B, B], 6, "abbbb", "stop"),  # the 6th token may end it
     ([A, B, B, B, W, B, B, B, B, B], 6, "abbbwbbbbb", "length"),  # nor when the 6th token comes right after it
     ([A, W, B, B, B, B, B, B, B, B], 0, "a", "stop"),
+    ([A, B, B, B, B, B, B, B, B, W], 6, "abbbbbbbb", "stop"),  # the last token (max_tokens) may end it too
 ])
 def test_each_stop_string_is_found_once_after_min_tokens(tiny_model, monkeypatch, script, min_tokens, text,
                                                          reason):

@@ -363,3 +363,12 @@ def test_model_dependent_limits_leave_engine_usable(llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(["fine"], SamplingParams(**kwargs), use_tqdm=False)
     assert len(llm.generate(["fine"], greedy(3), use_tqdm=False)[0]["token_ids"]) == 3
+
+
+def test_model_dependent_limits_take_their_edges(llm):
+    """The limits are the vocabulary's own: logprobs of the whole vocabulary (512) and its last id as a stop
+    token are taken, and each token then comes with the logprobs of all 512 ids."""
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=512, stop_token_ids=[511])
+    out = llm.generate(["fine"], params, use_tqdm=False)[0]
+    assert len(out["logprobs"]) == len(out["token_ids"]) >= 1
+    assert all(sorted(d) == list(range(512)) for d in out["logprobs"])
