@@ -15,8 +15,8 @@ With `triton_decode=True` (attention_backend="triton-decode"), decode-only steps
 kernel (`nanovllm.layers.triton_attention`) instead, on the GPUs where it measured faster, and so do prefill and
 mixed steps of at most `triton_varlen_tokens` tokens besides their leading decodes (the Triton varlen kernel, with
 `split_decodes`): flash-attn-4 spends far more host time per call than its kernel takes on a small step, and a
-piecewise-graph step calls attention once per layer (benchmarks/mixed_attention.py). Larger steps keep
-flash-attn. Neither family reads an FP8 cache.
+piecewise-graph step calls attention once per layer (mixed_attention.py, in git at d428276). Larger steps
+keep flash-attn. Neither family reads an FP8 cache.
 
 The kernels only read the block-table entries of blocks below `ceil(context_len / block_size)`, so the -1
 padding is passed as it is. FA4 reads whole pages when a page is exactly one key tile (block size 128 on

@@ -74,10 +74,10 @@ PER_THREAD_SPLITS = 32
 # step and 32 from 1.974 to 1.940; 8 tiles were slower than none at 8 and 32, and unsplit steps (batch 256: 8.507
 # -> 8.611 ms with 2) keep their bandwidth for the previous kernel. NANOVLLM_KV_PREFETCH overrides it
 KV_PREFETCH_TILES = int(os.environ.get("NANOVLLM_KV_PREFETCH", 2))
-# varlen: query rows (tokens x heads of one KV head) a program, keys an iteration (halved past head_dim 128), warps
-# and pipeline stages. On an H200 (`benchmarks/mixed_attention.py --sweep`: prompts of 100-900 tokens, alone and
-# beside 6 decodes, as the graphs run them) no other of 10 tiles was faster in sum: 3 stages 2% slower, the others
-# 28-69%. NANOVLLM_VARLEN_TILE="rows,keys,warps,stages" overrides them, for comparison
+# varlen: query rows (tokens x heads of one KV head) a program, keys an iteration (halved past head_dim 128), warps and
+# pipeline stages. On an H200 (mixed_attention.py --sweep, `git show d428276:benchmarks/mixed_attention.py`: prompts of
+# 100-900 tokens, alone and beside 6 decodes, as the graphs run them) no other of 10 tiles was faster in sum: 3 stages
+# 2% slower, the others 28-69%. NANOVLLM_VARLEN_TILE="rows,keys,warps,stages" overrides them, for comparison
 QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.get("NANOVLLM_VARLEN_TILE",
                                                                                    "64,64,4,2").split(","))
 # a varlen step of up to VARLEN_SPLIT_TOKENS tokens in a CUDA graph (`varlen_graphs.py`) splits the keys of each
