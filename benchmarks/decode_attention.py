@@ -5,13 +5,16 @@ split-KV kernel in bf16 and with an FP8 cache, against the device-copy bandwidth
     python benchmarks/decode_attention.py --sweep          # alternatives to the kernel's tuned choices
     python benchmarks/decode_attention.py --batch 256 --context 1024 --block-size 256   # one row
 
-Each kernel is captured in a CUDA graph, as the engine runs it, and its replays are timed with do_bench (which
-clears the L2 cache before every run): median microseconds, and TB/s of KV actually read (an FP8 cache is half
-the bytes). Contexts are all equal, block tables shuffled, caches random (never zeros).
+Each kernel is captured in a CUDA graph, as the engine runs it, and its replays are timed with CUDA events, each
+after a 256 MB read clears L2 (`--flush zero`: do_bench's way, a write): median microseconds, and TB/s of KV
+actually read (an FP8 cache is half the bytes). Contexts are all equal, block tables shuffled, caches random
+(never zeros).
 """
 import argparse
+import functools
 import itertools
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -28,14 +31,36 @@ BATCHES, CONTEXTS, BLOCK_SIZES = (1, 8, 32, 128, 256, 512), (128, 1024, 4096, 16
 MEMORY_SHARE = 0.4  # skip a row whose bf16 cache would take more than this share of the GPU's memory
 
 
+FLUSH = "read"  # how time_us clears L2 before each replay (--flush)
+
+
+@functools.cache
+def flush_buffer() -> torch.Tensor:
+    return torch.ones(64 << 20, dtype=torch.float32, device="cuda")  # 256 MB, over 4x an H200's L2 (60 MB)
+
+
 def time_us(fn) -> float:
-    """Median of graph replays, in microseconds."""
+    """Median of graph replays, in microseconds, each after L2 is cleared. "read": by summing 256 MB, which leaves
+    L2 clean, as a decode step's earlier kernels (small outputs) leave it. "zero": do_bench's, by writing 256 MB,
+    which leaves it dirty, so the timed kernel writes those lines back as it reads (H200, session 46: 3-9 us more
+    at 256 x 128, 256 x 1k and 8 x 1k)."""
     fn()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return do_bench(graph.replay, warmup=5, rep=25, return_mode="median") * 1e3
+    if FLUSH == "zero":
+        return do_bench(graph.replay, warmup=5, rep=25, return_mode="median") * 1e3
+    events = []
+    for _ in range(60):
+        flush_buffer().sum()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events[10:]) * 1e3
 
 
 def copy_bandwidth() -> float:
@@ -213,6 +238,7 @@ def sweep(args):
 
 
 def main():
+    global FLUSH
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--context", type=int, nargs="+", default=CONTEXTS)
@@ -222,7 +248,10 @@ def main():
                              "ragged, ragged-tiles: splits and tiles at bench.py's ragged contexts, over --batch)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the cache of --sweep ragged")
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8], help="the split counts of --sweep ragged")
+    parser.add_argument("--flush", choices=["read", "zero"], default=FLUSH,
+                        help="clear L2 before each replay by reading 256 MB, or by writing them (do_bench)")
     args = parser.parse_args()
+    FLUSH = args.flush
     torch.manual_seed(0)
     named = {"ragged": ragged, "ragged-tiles": ragged_tiles}
     named.get(args.sweep, sweep if args.sweep else table)(args)
