@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from decode_attention import copy_bandwidth  # noqa: E402  (this folder, as python runs a script)
+import decode_attention  # noqa: E402  (this folder, as python runs a script)
 from nanovllm.layers import triton_skinny  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
@@ -33,15 +32,9 @@ SWEEP = [(16, 256, 4), (16, 512, 4), (16, 1024, 4), (16, 1024, 8), (32, 256, 4),
 
 
 def chain_us(fn) -> float:
-    """Microseconds per layer of fn(0) ... fn(LAYERS - 1) replayed in one CUDA graph."""
-    for i in range(LAYERS):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAYERS):
-            fn(i)
-    return do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3 / LAYERS
+    """Microseconds per layer of fn(0) ... fn(LAYERS - 1) replayed in one CUDA graph, timed as
+    `decode_attention.time_us` times a graph (L2 cleared before each replay, as --flush says)."""
+    return decode_attention.time_us(lambda: [fn(i) for i in range(LAYERS)]) / LAYERS
 
 
 def main():
@@ -50,8 +43,11 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="every tile of SWEEP, with PDL")
     parser.add_argument("--compile-only", action="store_true", help="with --sweep: compile every tile, time none")
+    parser.add_argument("--flush", choices=["read", "zero"], default=decode_attention.FLUSH,
+                        help="how L2 is cleared before each replay (decode_attention.time_us)")
     args = parser.parse_args()
-    copy = copy_bandwidth()
+    decode_attention.FLUSH = args.flush
+    copy = decode_attention.copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, copy {copy:.2f} TB/s; us per layer (TB/s of weights)")
     print("| layer | fused | rows | floor | cuBLAS + torch | skinny, PDL | skinny, no PDL |"
           + (" best of sweep |" if args.sweep else ""))
