@@ -8,6 +8,7 @@ gives the tokens that the softmax sampler it replaces gave.
 """
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from nanovllm.layers import triton_sampler
 from nanovllm.layers.sampler import Sampler
@@ -217,4 +218,26 @@ def test_kernel_compiles_for_sm90():
         ("nanovllm.layers.triton_sampler", "_sample_plain_kernel", signature | dict(score_ptr="*fp32"),
          dict(BLOCK=triton_sampler.BLOCK, SPLIT=True, FAST_LOG=True), dict(num_warps=8)),
         ("nanovllm.layers.triton_sampler", "_pick_kernel", dict(score_ptr="*fp32", index_ptr="*i64", out_ptr="*i64",
-                                                                 parts="i32"), dict(PARTS_PAD=64), dict(num_warps=1))])
+                                                                 parts="i32"), dict(PARTS_PAD=64), dict(num_warps=1)),
+        ("nanovllm.layers.triton_sampler", "_pending_ids_kernel", dict(tokens_ptr="*i64", pending_rows_ptr="*i64",
+                                                                        input_ids_ptr="*i64", out_ptr="*i64",
+                                                                        rows="i32"), dict(BLOCK=1024))])
+
+
+# ---- a captured step's input ids ------------------------------------------------------------------
+@needs_triton
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_read_pending_takes_the_last_samples_of_pending_rows(data):
+    """A row whose pending row is >= 0 reads that row of the last step's samples, any other row keeps its id
+    (past 1,024 rows in more than one program)."""
+    rows = data.draw(st.sampled_from([1, 3, 64, 1030]))
+    last = data.draw(st.integers(1, 600))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31)))
+    tokens = torch.randint(0, 10 ** 6, (last,), generator=gen, device="cpu").to(DEVICE)
+    pending = torch.where(torch.rand(rows, generator=gen) < 0.5, torch.randint(0, last, (rows,), generator=gen),
+                          -1).to(DEVICE)
+    ids = torch.randint(0, 10 ** 6, (rows + 1,), generator=gen).to(DEVICE)
+    out = triton_sampler.read_pending(tokens, pending, ids[:rows])
+    assert torch.equal(out, torch.where(pending >= 0, tokens[pending.clamp(min=0)], ids[:rows]))
+    assert out.dtype == ids.dtype and out.data_ptr() != ids.data_ptr()

@@ -16,17 +16,12 @@ import torch
 from nanovllm.engine.staging import Staging, StaticInputs
 from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.layers.attention import AttentionMetadata
-from nanovllm.layers.triton_sampler import sample_plain
+from nanovllm.layers.triton_sampler import read_pending, sample_plain
 
 # the static inputs, each [max_bs] (block tables last, [max_bs, max_blocks], so that a replay of bs rows copies
 # a prefix of the buffer), and the value of a padding row
 FIELDS = (("input_ids", np.int64, 0), ("positions", np.int64, 0), ("slot_mapping", np.int64, -1),
           ("pending_rows", np.int64, -1), ("context_lens", np.int32, 1), ("temperatures", np.float32, 0))
-
-
-def read_pending(tokens: torch.Tensor, pending_rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """In a graph: the input ids, each pending token (pending row >= 0) read from `tokens`, the last step's samples."""
-    return torch.where(pending_rows >= 0, tokens[pending_rows.clamp(min=0)], input_ids)
 
 
 def keep_samples(tokens: torch.Tensor, inputs: StepInputs, last_sampled: torch.Tensor):

@@ -18,13 +18,14 @@ rows padded to `max_seqs`, made steps of 512-1,024 prompt tokens beside 8 decode
 import numpy as np
 import torch
 
-from nanovllm.engine.cuda_graphs import keep_samples, read_pending
+from nanovllm.engine.cuda_graphs import keep_samples
 from nanovllm.engine.piecewise_graphs import capture_cuda_graph, token_counts
 from nanovllm.engine.staging import Staging, StaticInputs
 from nanovllm.engine.step_inputs import StepInputs
 from nanovllm.layers.attention import AttentionMetadata
 from nanovllm.layers.triton_attention import (VARLEN_DECODE_SPLITS, VARLEN_SPLIT_TOKENS, max_varlen_tiles,
                                              splits_decodes, varlen_query_tile, varlen_tile_map)
+from nanovllm.layers.triton_sampler import read_pending
 
 MAX_SEQS = 64  # sequences in a step: each adds a row to every layer's grid, which costs even when it returns
 FINE_FROM, FINE_STEP = 256, 128  # above FINE_FROM tokens, a size every FINE_STEP tokens

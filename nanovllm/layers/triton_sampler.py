@@ -20,6 +20,9 @@ lanes meet once, at the end of the part (a reduction after every tile took 201 u
 tiles until the rows' programs fill the SMs twice, and a second kernel picks each row's winner among its parts'
 (the first of equal scores, so the draws are the same as one program's). The grid is fixed per row count: a CUDA
 graph can capture it.
+
+`read_pending` gives a captured step its input ids: the samples of the step before, still on the device, where a
+row's token is pending.
 """
 import torch
 
@@ -112,6 +115,27 @@ if triton is not None:
         scores = tl.load(score_ptr + offsets, mask=valid, other=float("-inf"))
         _, best = tl.max(scores, 0, return_indices=True, return_indices_tie_break_left=True)
         tl.store(out_ptr + row, tl.load(index_ptr + row * parts + best))
+
+    @triton.jit
+    def _pending_ids_kernel(tokens_ptr, pending_rows_ptr, input_ids_ptr, out_ptr, rows, BLOCK: tl.constexpr):
+        """`read_pending`'s ids: each row's sample of the last step where its pending row is >= 0, else its id."""
+        row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = row < rows
+        pending = tl.load(pending_rows_ptr + row, mask=valid, other=-1)
+        sampled = tl.load(tokens_ptr + pending, mask=valid & (pending >= 0), other=0)
+        given = tl.load(input_ids_ptr + row, mask=valid & (pending < 0), other=0)
+        tl.store(out_ptr + row, tl.where(pending >= 0, sampled, given), mask=valid)
+
+
+def read_pending(tokens: torch.Tensor, pending_rows: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """A captured step's input ids: where a row's pending row is >= 0, the token that the last step sampled there
+    (`tokens[pending_row]`, still on the device), else the row's id: one launch where torch's ops took four."""
+    if triton is None:
+        return torch.where(pending_rows >= 0, tokens[pending_rows.clamp(min=0)], input_ids)
+    out = torch.empty_like(input_ids)
+    rows = input_ids.numel()
+    _pending_ids_kernel[(triton.cdiv(rows, 1024),)](tokens, pending_rows, input_ids, out, rows, BLOCK=1024)
+    return out
 
 
 def sampler_parts(rows: int, sms: int) -> int:
