@@ -33,11 +33,17 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(x, self.weight)
+            return self._rows(x)
         mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
-        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight) * mask.unsqueeze(1)
+        y = self._rows(mask * (x - self.vocab_start_idx)) * mask.unsqueeze(1)
         dist.all_reduce(y)
         return y
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight's rows at x. On CUDA by indexing: `F.embedding`'s kernel for up to 16 ids walks them one after
+        another (H200, a decode graph's 4-16 rows: 3.1-7.7 us against 1.9); on CPU F.embedding is the faster (3x at
+        512 ids)."""
+        return self.weight[x] if x.is_cuda else F.embedding(x, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
