@@ -234,7 +234,7 @@ def test_read_pending_takes_the_last_samples_of_pending_rows(data):
     rows = data.draw(st.sampled_from([1, 3, 64, 1030]))
     last = data.draw(st.integers(1, 600))
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31)))
-    tokens = torch.randint(0, 10 ** 6, (last,), generator=gen, device="cpu").to(DEVICE)
+    tokens = torch.randint(0, 10 ** 6, (last,), generator=gen).to(DEVICE)
     pending = torch.where(torch.rand(rows, generator=gen) < 0.5, torch.randint(0, last, (rows,), generator=gen),
                           -1).to(DEVICE)
     ids = torch.randint(0, 10 ** 6, (rows + 1,), generator=gen).to(DEVICE)

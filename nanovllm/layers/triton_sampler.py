@@ -133,8 +133,8 @@ def read_pending(tokens: torch.Tensor, pending_rows: torch.Tensor, input_ids: to
     if triton is None:
         return torch.where(pending_rows >= 0, tokens[pending_rows.clamp(min=0)], input_ids)
     out = torch.empty_like(input_ids)
-    rows = input_ids.numel()
-    _pending_ids_kernel[(triton.cdiv(rows, 1024),)](tokens, pending_rows, input_ids, out, rows, BLOCK=1024)
+    rows, block = input_ids.numel(), 1024
+    _pending_ids_kernel[(triton.cdiv(rows, block),)](tokens, pending_rows, input_ids, out, rows, BLOCK=block)
     return out
 
 
