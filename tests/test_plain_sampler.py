@@ -229,8 +229,8 @@ def test_kernel_compiles_for_sm90():
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_read_pending_takes_the_last_samples_of_pending_rows(data):
-    """A row whose pending row is >= 0 reads that row of the last step's samples, any other row keeps its id
-    (past 1,024 rows in more than one program)."""
+    """A pending row (>= 0) reads that row of the last step's samples, any other keeps its id (1,030 rows: two
+    programs)."""
     rows = data.draw(st.sampled_from([1, 3, 64, 1030]))
     last = data.draw(st.integers(1, 600))
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31)))

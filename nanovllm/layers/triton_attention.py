@@ -42,15 +42,12 @@ MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 # Split heuristic, measured on an H200 (benchmarks/decode_attention_notes.md): split when batch x kv_heads programs
 # are fewer than this many per SM, by the cache's bytes an element. Over FP8 (an SM holds 6 of its programs, 4 of
-# the bf16 kernel's) 33-49 sequences split in 2 too: at 48, 55.1 -> 49.3 us at equal contexts of 1,074, 78.6 -> 62.0
-# at bench.py's ragged ones, and 2.748 -> 2.582 ms a step (session 30)
+# the bf16 kernel's) 33-49 sequences split in 2 too (session 30: 48 sequences 2.748 -> 2.582 ms a step)
 SPLIT_BELOW_PROGRAMS_PER_SM = {2: 2, 1: 3}
 # and then make about this many, 2 splits at least (more loses to the tail); over FP8 6, an SM's worth of its
-# programs. Engine steps, ms at contexts of 1,000 / 1,800, 4 -> 6 in one call (session 34, step_variants.py): 8
-# sequences 1.079 / 1.289 -> 1.061 / 1.186 (12 splits), 16 1.295 / 1.684 -> 1.214 / 1.432 (6), 24 1.809 / 2.501 ->
-# 1.616 / 2.027 (4), 32 1.836 / 2.515 -> 1.663 / 2.077 (3); 4 sequences lost, 1.027 / 1.062 -> 1.067 / 1.092 (24
-# splits, not 16). bf16's (4 programs an SM) lost with 6: 32 x 1,000 1.854 -> 2.031. (Session 30 had found 6 slower
-# at 8-32: decode_attention_notes.md, run 10)
+# programs: engine steps at contexts of 1,000 / 1,800, 4 -> 6 (session 34): 16 sequences 1.295 / 1.684 -> 1.214 /
+# 1.432 ms, 32 1.836 / 2.515 -> 1.663 / 2.077, 8-32 all faster, 4 slower; bf16's lost with 6 (32 x 1,000 1.854 ->
+# 2.031). Every figure: `git show 06056d3:nanovllm/layers/triton_attention.py` (lines 48-53)
 SPLIT_TARGET_PROGRAMS_PER_SM = {2: 4, 1: 6}
 MAX_SPLITS = 64
 # an unsplit batch of at most this many programs an SM (the 64-key bf16 kernel's occupancy) takes 128-key tiles: its
@@ -61,18 +58,16 @@ ONE_WAVE_PROGRAMS_PER_SM = 4
 FP8_DEEP_PROGRAMS_PER_SM = 10
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
 # and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
-# batch 1-2 on an H200), which weighs 16 filled splits as fast as 8: at context ~1,000 batch 1 took 0.891-0.894 ->
-# 0.856 ms a step, batch 2 0.976-0.995 -> 0.907 (one dim a thread, more splits cost more: in session 28, 64 here
-# took batch 4 from 0.992 to 1.041). NANOVLLM_MIN_SPLIT_TILE overrides it
+# batch 1-2 on an H200), which weighs 16 filled splits as fast as 8 (batch 1 at context ~1,000: 0.891 -> 0.856 ms a
+# step, batch 2 0.976 -> 0.907; 64 took batch 4 from 0.992 to 1.041). NANOVLLM_MIN_SPLIT_TILE overrides it
 MIN_SPLIT_TOKENS_TILE_MERGE = int(os.environ.get("NANOVLLM_MIN_SPLIT_TILE", 64))
-# the merge of at most this many splits keeps each dim in one thread (`_merge_splits_kernel`): on an H200 in a
-# decode step it took 1.3-1.9 us a layer at 2-8 splits where a tile across the threads took 6.6-7.1; at 64 splits
-# it took 3.6 against 3.3
+# the merge of at most this many splits keeps each dim in one thread (`_merge_splits_kernel`): on an H200 1.3-1.9 us
+# a layer at 2-8 splits where a tile across the threads took 6.6-7.1 (at 64 splits 3.6 against 3.3)
 PER_THREAD_SPLITS = 32
 # split decode: tiles of keys (and values) a program asks L2 for before its dependent-launch wait, while the
 # previous kernel ends (CUDA only). On an H200 at context ~1,000, 2 tiles took batch 1 from 0.950 to 0.900 ms a
-# step and 32 from 1.974 to 1.940; 8 tiles were slower than none at 8 and 32, and unsplit steps (batch 256: 8.507
-# -> 8.611 ms with 2) keep their bandwidth for the previous kernel. NANOVLLM_KV_PREFETCH overrides it
+# step; 8 were slower than none, and unsplit steps keep their bandwidth for the previous kernel (batch 256 8.507 ->
+# 8.611 ms with 2). NANOVLLM_KV_PREFETCH overrides it
 KV_PREFETCH_TILES = int(os.environ.get("NANOVLLM_KV_PREFETCH", 2))
 # varlen: query rows (tokens x heads of one KV head) a program, keys an iteration (halved past head_dim 128), warps and
 # pipeline stages. On an H200 (mixed_attention.py --sweep, `git show d428276:benchmarks/mixed_attention.py`: prompts of
@@ -82,13 +77,11 @@ QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.ge
                                                                                    "64,64,4,2").split(","))
 # a varlen step of up to VARLEN_SPLIT_TOKENS tokens in a CUDA graph (`varlen_graphs.py`) splits the keys of each
 # decode among its first VARLEN_SPLIT_SEQS sequences into this many chunks (of MIN_SPLIT_TOKENS at least), merged
-# by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
-# H200, 6 decodes of ~600 keys beside a prompt of 256 tokens (a graph of 384): the attention took 24.0 -> 13.7 us a
-# layer, the step's kernels 2.06 -> 1.95 ms summed (the merge's wait for the attention counted in it). GPU time of
-# the mixed step, split / unsplit (ms; session 33): prompts of 64 1.53 / 1.77, 256 1.89 / 2.13, 512 2.53 / 2.53, 768
-# 3.17 / 3.00, 1,024 4.05 / 3.80 (8 splits: no better than 4). The grid has room for every split of every sequence
-# that may take them, and a program of an empty row still costs its start. NANOVLLM_VARLEN_SPLITS and
-# NANOVLLM_VARLEN_SPLIT_TOKENS override them (splits 1: unsplit)
+# by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step
+# (H200, 6 such decodes beside a 256-token prompt: 24.0 -> 13.7 us a layer; mixed steps up to 512 prompt tokens
+# faster, past 768 slower, 8 splits no better than 4; session 33's figures: `git show 06056d3:nanovllm/layers/
+# triton_attention.py`, lines 83-91). NANOVLLM_VARLEN_SPLITS and NANOVLLM_VARLEN_SPLIT_TOKENS override them (splits
+# 1: unsplit)
 VARLEN_DECODE_SPLITS = int(os.environ.get("NANOVLLM_VARLEN_SPLITS", 4))
 VARLEN_SPLIT_SEQS = 16
 VARLEN_SPLIT_TOKENS = int(os.environ.get("NANOVLLM_VARLEN_SPLIT_TOKENS", 384))
@@ -333,13 +326,11 @@ def decode_tile(head_dim: int, kv_itemsize: int, split: bool = False, block_size
     """(keys per iteration, warps, pipeline stages) of the decode kernel, tuned on an H200 at head_dim 128: 16 KB
     of keys an iteration, 4 warps. Over FP8 64 keys and 2 warps (8-30% faster than 128 keys and 4 warps at each of 7
     shapes, when its values were laid out as its keys); with chunked values (`value_chunk`) an unsplit batch takes
-    128 keys and 4 warps where a block holds whole tiles of them (256 x 1k 148.8 -> 141.2 us, 128 x 4k 319.4 ->
-    269.5), a split one still 64 and 2 (32 x 4k 82.8 against 98.0; benchmarks/decode_attention_notes.md, run 11).
+    128 keys and 4 warps where a block holds whole tiles of them, a split one still 64 and 2 (decode notes, run 11).
     `one_wave` (ONE_WAVE_PROGRAMS_PER_SM): over a 16-bit cache 128 keys an iteration (run 12).
     Two tiles in flight (3 stages where a block holds whole tiles: the kernel carries their block ids) pay for an
-    unsplit batch past one wave (over FP8 from FP8_DEEP_PROGRAMS_PER_SM programs an SM on, in 64-key tiles on 2
-    warps); elsewhere one (2 stages), as fewer programs would share an SM (run 13). Where tiles cross blocks, the
-    ids read with their keys keep one tile in flight whatever the stages (3, as before)."""
+    unsplit batch past one wave (over FP8 from FP8_DEEP_PROGRAMS_PER_SM programs an SM on, 64-key tiles on 2 warps);
+    elsewhere one (2 stages; run 13). Where tiles cross blocks, one tile is in flight whatever the stages (3)."""
     deep = not split and not one_wave
     if kv_itemsize == 1:
         if v_chunk and head_dim <= 128 and not split and block_size % 128 == 0:

@@ -19,10 +19,7 @@ lanes meet once, at the end of the part (a reduction after every tile took 201 u
 151,936 logits took 114 us on an H200 as one program), so the vocabulary is cut into parts of whole groups of four
 tiles until the rows' programs fill the SMs twice, and a second kernel picks each row's winner among its parts'
 (the first of equal scores, so the draws are the same as one program's). The grid is fixed per row count: a CUDA
-graph can capture it.
-
-`read_pending` gives a captured step its input ids: the samples of the step before, still on the device, where a
-row's token is pending.
+graph can capture it. (`read_pending`: a captured step's input ids, from the samples of the step before.)
 """
 import torch
 

@@ -225,8 +225,8 @@ if triton is not None:
 _counters: dict[torch.device, torch.Tensor] = {}
 # up to this many rows a program of a normed product in parts loads its rows whole for their sums of squares; past
 # them each part sums its own columns' squares and the last part applies rstd to the sums. On an H200 (context
-# ~1,000, ms a step, two calls in opposite orders) the parts' own squares took 32 sequences from 1.916 / 1.927 to
-# 1.860 / 1.878 but 4 from 0.963 / 0.966 to 1.031 / 1.022, 8 and 16 alike (session 31)
+# ~1,000) the parts' own squares took 32 sequences from 1.916 to 1.860 ms a step but 4 from 0.963 to 1.031, 8 and
+# 16 alike (session 31, two calls in opposite orders)
 WHOLE_ROWS_NORM_UP_TO = 16
 
 
@@ -240,9 +240,8 @@ def plan(block_m: int, k: int, gated: bool, head_dim: int = 0) -> tuple[int, int
     """(block_n, block_k, num_warps), the fastest tiles of `benchmarks/skinny_gemm.py --sweep` on an H200 in
     Qwen3-0.6B's shapes (K 1024 for qkv and gate/up, 2048 for o_proj, 3072 for down) at 16 and 32 rows, but for
     K above 2048 (down there) at up to 16 rows, timed in the engine's decode steps instead: twice the programs (192)
-    of half the weights took batch 1 from 0.858 to 0.807 ms a step, 2 from 0.907 to 0.892, 4 and 16 the same (at
-    32 rows 0.4% slower, so they keep theirs). With rope (head_dim), a program takes half a head twice (one head)
-    and 32K weights, as the plain qkv tiles do."""
+    of half the weights took batch 1 from 0.858 to 0.807 ms a step (32 rows: 0.4% slower, so they keep theirs). With
+    rope (head_dim), a program takes half a head twice (one head) and 32K weights, as the plain qkv tiles do."""
     if head_dim:
         return head_dim // 2, min(32768 // head_dim, triton.next_power_of_2(k)), 8
     if gated:
