@@ -56,7 +56,6 @@ ONE_WAVE_PROGRAMS_PER_SM = 4
 # an unsplit batch over FP8 of at least this many programs an SM takes 64-key tiles on 2 warps, two in flight
 # (bench.py's ragged contexts: 256 sequences 149.0 -> 141.1 us, 192 113.2 -> 109.9; decode notes, run 13)
 FP8_DEEP_PROGRAMS_PER_SM = 10
-KEY_GROUPS = os.environ.get("NANOVLLM_KEY_GROUPS", "0") == "1"
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
 # and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
 # batch 1-2 on an H200), which weighs 16 filled splits as fast as 8 (batch 1 at context ~1,000: 0.891 -> 0.856 ms a
@@ -112,54 +111,6 @@ if triton is not None:
         return tl.multiple_of(((block * NUM_KV_HEADS + kv_head) * BLOCK_SIZE + key // CHUNK * CHUNK) * HEAD_DIM +
                               key % CHUNK, 16)
 
-    @triton.jit
-    def _grouped_keys(q, q_pos, k_ptr, v_ptr, block_row, kv_head, key_begin, key_end, kv_token_stride,
-                      kv_head_stride, qk_scale, GROUPS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      DIM_PAD: tl.constexpr, KV_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      NUM_KV_HEADS: tl.constexpr, V_CHUNK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-        """The decode loop with each tile's keys in GROUPS groups, one a warp: each group keeps its own softmax
-        (max, sum, output) over its keys of every tile, and the groups are merged once at the end. The products
-        are batched over the groups (Triton gives each warp one), so no value crosses warps inside the loop,
-        where one softmax over the tile takes the row maxima and sums across the warps and passes p between them
-        through shared memory, three barriers a tile. Blocks hold whole tiles. Returns the merged (m, l, acc)."""
-        SUB: tl.constexpr = KV_TILE // GROUPS
-        dims = tl.arange(0, DIM_PAD)
-        dim_valid = dims < HEAD_DIM
-        in_tile = tl.arange(0, GROUPS)[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [GROUPS, SUB]
-        q3 = tl.broadcast_to(q[None, :, :], (GROUPS, ROWS, DIM_PAD))
-        m = tl.full([GROUPS, ROWS], -1e30, tl.float32)
-        l = tl.zeros([GROUPS, ROWS], tl.float32)
-        acc = tl.zeros([GROUPS, ROWS, DIM_PAD], tl.float32)
-        next_block = tl.load(block_row + key_begin // BLOCK_SIZE, mask=key_begin < key_end, other=0).to(tl.int64)
-        for start in range(key_begin, key_end, KV_TILE):
-            key_pos = start + in_tile
-            block = next_block
-            next_block = tl.load(block_row + (start + KV_TILE) // BLOCK_SIZE, mask=start + KV_TILE < key_end,
-                                 other=0).to(tl.int64)
-            kv_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
-            offsets = kv_row[:, :, None] * kv_token_stride + kv_head * kv_head_stride + dims[None, None, :]
-            kv_mask = (key_pos < key_end)[:, :, None] & dim_valid[None, None, :]
-            k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
-            if V_CHUNK:  # as in the kernel's loop: rows of V_CHUNK keys, past the context finite and weighed 0
-                in_block = in_tile % V_CHUNK + (in_tile // V_CHUNK) * (V_CHUNK * HEAD_DIM)
-                v_offsets = _chunk_start(block, start, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CHUNK) + \
-                    in_block[:, :, None] + dims[None, None, :] * V_CHUNK
-                v = tl.load(v_ptr + v_offsets).to(COMPUTE_DTYPE)
-            else:
-                v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
-            s = tl.dot(q3, tl.trans(k, (0, 2, 1)), input_precision=DOT_PRECISION) * qk_scale
-            s = tl.where(key_pos[:, None, :] <= q_pos[None, :, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 2))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, :, None])
-            l = l * alpha + tl.sum(p, 2)
-            acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m = m_new
-        top = tl.max(m, 0)
-        weight = tl.exp2(m - top[None, :])  # a group that saw no key: l = 0 and acc = 0, whatever its weight
-        return top, tl.sum(l * weight, 0), tl.sum(acc * weight[:, :, None], 0)
-
     # Nothing that changes from step to step picks a variant (which would compile mid-serving): not the block
     # table's width, nor the alignment of the metadata, which a mixed step's decodes are sliced off
     # (`split_decodes`; its loads of them are scalar), and which stands in for the unused map and order
@@ -176,7 +127,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
         TILE_MAP: tl.constexpr, SPLIT_SEQS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PDL: tl.constexpr, ORDER: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
-        LINE_ELEMENTS: tl.constexpr, V_CHUNK: tl.constexpr, GROUPS: tl.constexpr,
+        LINE_ELEMENTS: tl.constexpr, V_CHUNK: tl.constexpr,
     ):
         # (`triton_skinny`): the step's metadata is the host's, which no kernel writes: read it while the previous
         # kernel ends; q and this step's keys are the previous kernels', read after the wait
@@ -248,53 +199,49 @@ if triton is not None:
         q = tl.load(q_ptr + q_row[:, None] + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :],
                     other=0.0).to(COMPUTE_DTYPE)
 
-        if GROUPS > 1:  # decode over blocks of whole tiles
-            m, l, acc = _grouped_keys(q, q_pos, k_ptr, v_ptr, block_row, kv_head, key_begin, key_end,
-                                      kv_token_stride, kv_head_stride, qk_scale, GROUPS, ROWS, HEAD_DIM, DIM_PAD,
-                                      KV_TILE, BLOCK_SIZE, NUM_KV_HEADS, V_CHUNK, COMPUTE_DTYPE, DOT_PRECISION)
-        else:
-            m = tl.full([ROWS], -1e30, tl.float32)  # finite: a row that sees no key keeps alpha = 1, p = 0
-            l = tl.zeros([ROWS], tl.float32)
-            acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
-            # A tile that lies in one block takes its id from the loop before: a block id read in the same iteration
-            # as the keys it addresses makes Triton's pipeliner keep one tile in flight whatever num_stages says,
-            # where a carried one lets it keep num_stages - 1 (two at 3)
-            ONE_BLOCK: tl.constexpr = PAGED and BLOCK_SIZE % KV_TILE == 0
+        m = tl.full([ROWS], -1e30, tl.float32)  # finite: a row that sees no key keeps alpha = 1, p = 0
+        l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
+        # A tile that lies in one block takes its id from the loop before: a block id read in the same iteration
+        # as the keys it addresses makes Triton's pipeliner keep one tile in flight whatever num_stages says,
+        # where a carried one lets it keep num_stages - 1 (two at 3)
+        ONE_BLOCK: tl.constexpr = PAGED and BLOCK_SIZE % KV_TILE == 0
+        if ONE_BLOCK:
+            next_block = tl.load(block_row + key_begin // BLOCK_SIZE, mask=key_begin < key_end, other=0).to(tl.int64)
+        for start in range(key_begin, key_end, KV_TILE):
+            key_pos = start + tl.arange(0, KV_TILE)
+            key_valid = key_pos < key_end
             if ONE_BLOCK:
-                next_block = tl.load(block_row + key_begin // BLOCK_SIZE, mask=key_begin < key_end, other=0).to(tl.int64)
-            for start in range(key_begin, key_end, KV_TILE):
-                key_pos = start + tl.arange(0, KV_TILE)
-                key_valid = key_pos < key_end
-                if ONE_BLOCK:
-                    block = next_block
-                    next_block = tl.load(block_row + (start + KV_TILE) // BLOCK_SIZE, mask=start + KV_TILE < key_end,
-                                         other=0).to(tl.int64)
-                    kv_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
-                elif PAGED:
-                    block = tl.load(block_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-                    kv_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
-                else:
-                    kv_row = (q_begin + key_pos).to(tl.int64)
-                offsets = kv_row[:, None] * kv_token_stride + kv_head * kv_head_stride + dims[None, :]
-                kv_mask = key_valid[:, None] & dim_valid[None, :]
-                k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
-                if V_CHUNK:  # [chunk, dim, key of the chunk] (`value_chunk`), the tile inside one block: rows of V_CHUNK
-                    # keys, which load as the keys' rows of dims do. Past the context they read the block's other keys,
-                    # finite (the cache starts zeroed, the store saturates), which p weighs 0
-                    in_block = tl.arange(0, KV_TILE) % V_CHUNK + (tl.arange(0, KV_TILE) // V_CHUNK) * (V_CHUNK * HEAD_DIM)
-                    v_offsets = _chunk_start(block, start, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CHUNK) + \
-                        in_block[:, None] + dims[None, :] * V_CHUNK
-                    v = tl.load(v_ptr + v_offsets).to(COMPUTE_DTYPE)
-                else:
-                    v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-                s = tl.where(key_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l = l * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                m = m_new
+                block = next_block
+                next_block = tl.load(block_row + (start + KV_TILE) // BLOCK_SIZE, mask=start + KV_TILE < key_end,
+                                     other=0).to(tl.int64)
+                kv_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
+            elif PAGED:
+                block = tl.load(block_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+                kv_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
+            else:
+                kv_row = (q_begin + key_pos).to(tl.int64)
+            offsets = kv_row[:, None] * kv_token_stride + kv_head * kv_head_stride + dims[None, :]
+            kv_mask = key_valid[:, None] & dim_valid[None, :]
+            k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+            if V_CHUNK:  # [chunk, dim, key of the chunk] (`value_chunk`), the tile inside one block: rows of V_CHUNK
+                # keys, which load as the keys' rows of dims do. Past the context they read the block's other keys,
+                # finite (the cache starts zeroed, the store saturates), which p weighs 0
+                in_block = tl.arange(0, KV_TILE) % V_CHUNK + (tl.arange(0, KV_TILE) // V_CHUNK) * (V_CHUNK * HEAD_DIM)
+                v_offsets = _chunk_start(block, start, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CHUNK) + \
+                    in_block[:, None] + dims[None, :] * V_CHUNK
+                v = tl.load(v_ptr + v_offsets).to(COMPUTE_DTYPE)
+            else:
+                v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(key_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+
         seen = l > 0
         out = acc * (v_scale / tl.where(seen, l, 1.0))[:, None]
         out_row = (q_begin + token).to(tl.int64) * (NUM_KV_HEADS * GROUP) + head
@@ -426,7 +373,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: int | None = None, min_split_tokens: int | None = None,
                      kv_tile: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      compute_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                     order: torch.Tensor | None = None, key_groups: int | None = None) -> torch.Tensor:
+                     order: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [batch, num_heads, head_dim] -> out [batch, num_heads, head_dim] (written
     into `out` when given). `order`: [batch] int32, a permutation of the rows, the order in which their programs
     go out (longest context first: on bench.py's ragged contexts, 100 to 2,048 tokens, the H200 read the cache
@@ -448,10 +395,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                       batch * kv_heads / sms)
     tile, warps, stages = kv_tile or tile, num_warps or warps, num_stages or stages
     assert not v_chunk or block_size % tile == 0, "a tile of a chunked value cache lies in one block"
-    groups = key_groups or (warps if KEY_GROUPS and block_size % tile == 0 else 1)
-    if groups == -1:  # (experiment) one group a warp
-        groups = warps
-    assert groups == 1 or (block_size % tile == 0 and tile % (16 * groups) == 0), (groups, tile, block_size)
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.is_contiguous()
@@ -474,7 +417,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits=num_splits, min_split_tokens=min_split_tokens, QUERY_TILE=1, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=True, PAGED=True, SPLIT=split, TILE_MAP=False, SPLIT_SEQS=0,
         ORDER=order is not None, PREFETCH=prefetch, LINES=max(1, args["DIM_PAD"] // line), LINE_ELEMENTS=line,
-        V_CHUNK=v_chunk, GROUPS=groups, num_warps=warps, num_stages=stages, **args, **pdl)
+        V_CHUNK=v_chunk, num_warps=warps, num_stages=stages, **args, **pdl)
     if split:
         merge_splits(partial, lse, out, (context_lens, min_split_tokens, tile))
     return out
@@ -548,8 +491,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         num_splits=splits, min_split_tokens=MIN_SPLIT_TOKENS, QUERY_TILE=query_tile, ROWS=rows, KV_TILE=tile,
         BLOCK_SIZE=block_size, DECODE=False, PAGED=paged, SPLIT=splits > 1, TILE_MAP=tile_map is not None,
         SPLIT_SEQS=VARLEN_SPLIT_SEQS, ORDER=False, PREFETCH=0, LINES=1, LINE_ELEMENTS=1,
-        V_CHUNK=v_chunk, GROUPS=1, num_warps=VARLEN_WARPS, num_stages=VARLEN_STAGES, **args,
-        **pdl_args(q.device))
+        V_CHUNK=v_chunk, num_warps=VARLEN_WARPS, num_stages=VARLEN_STAGES, **args, **pdl_args(q.device))
     if splits > 1:
         merge_splits(partial, lse, out, (meta.context_lens, MIN_SPLIT_TOKENS, tile), cu_seqlens_q=meta.cu_seqlens_q)
     return out
