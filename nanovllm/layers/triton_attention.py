@@ -16,8 +16,7 @@ Decode splits the keys when `batch x num_kv_heads` programs would leave streamin
 split count comes from the batch size alone (fixed for a captured CUDA graph), each split's chunk from the
 sequence's context length on the device (`max(min_split_tokens, ceil(context / splits))`, whole tiles), so a
 short context uses fewer splits and a longer one after capture still reads every key. Splits write their
-normalised output and log-sum-exp in float32; a second kernel merges them. A context that fits one split is
-written to the output by that split, and the merge leaves its rows alone. A split past the context ends before
+normalised output and log-sum-exp in float32; a second kernel merges them. A split past the context ends before
 its dependent-launch wait and writes nothing (the merge counts the filled splits from the context too); the
 others ask L2 for their first keys before it (`KV_PREFETCH_TILES`). No host value changes per step.
 
@@ -163,8 +162,6 @@ if triton is not None:
                 partial_out = (query_len == 1) & (seq < SPLIT_SEQS)
                 seq_splits = tl.where(partial_out, num_splits, 1)
         chunk = _split_chunk(key_end, seq_splits, min_split_tokens, KV_TILE)
-        if SPLIT:  # keys that fit one split: split 0 writes the output itself, and the merge leaves its rows alone
-            partial_out = partial_out & (key_end > chunk)
         key_begin = split * chunk
         key_end = tl.minimum(key_end, key_begin + chunk)
         if SPLIT:
@@ -269,7 +266,7 @@ if triton is not None:
         address across the warp) and its dim of every split's output, all at once (the splits unrolled), and weighs
         them itself, so no value crosses threads. Else a tile of the splits across the threads, reduced across them
         (fewer instructions a thread). KV_TILE (the decode kernel's): only the splits that the token's context
-        fills were written (`_split_chunk`), and a context of one split went to out directly; else all."""
+        fills were written (`_split_chunk`); else all."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # token * num_heads + head
@@ -287,9 +284,8 @@ if triton is not None:
                 return
         used = num_splits
         if KV_TILE:
-            used = tl.cdiv(context_len, _split_chunk(context_len, num_splits, min_split_tokens, KV_TILE))
-            if used <= 1:
-                return  # the attention kernel's split 0 wrote this row's output
+            used = tl.maximum(tl.cdiv(context_len, _split_chunk(context_len, num_splits, min_split_tokens, KV_TILE)),
+                              1)
         dims = tl.arange(0, DIM_PAD)
         if SPLITS:  # every split's loads at once, none of them waiting for `used`: it only picks what is summed
             top = tl.load(lse_ptr + row * SPLITS)  # (split 0 is always written)
