@@ -45,9 +45,8 @@ LOG2E = 1.4426950408889634
 # the bf16 kernel's) 33-49 sequences split in 2 too (session 30: 48 sequences 2.748 -> 2.582 ms a step)
 SPLIT_BELOW_PROGRAMS_PER_SM = {2: 2, 1: 3}
 # and then make about this many, 2 splits at least (more loses to the tail); over FP8 6, an SM's worth of its
-# programs: engine steps at contexts of 1,000 / 1,800, 4 -> 6 (session 34): 16 sequences 1.295 / 1.684 -> 1.214 /
-# 1.432 ms, 32 1.836 / 2.515 -> 1.663 / 2.077, 8-32 all faster, 4 slower; bf16's lost with 6 (32 x 1,000 1.854 ->
-# 2.031). Every figure: `git show 06056d3:nanovllm/layers/triton_attention.py` (lines 48-53)
+# programs (session 34: steps of 8-32 sequences faster, 4 slower; bf16's lost with 6). Its figures: `git show
+# 06056d3:nanovllm/layers/triton_attention.py` (lines 48-53)
 SPLIT_TARGET_PROGRAMS_PER_SM = {2: 4, 1: 6}
 MAX_SPLITS = 64
 # an unsplit batch of at most this many programs an SM (the 64-key bf16 kernel's occupancy) takes 128-key tiles: its
@@ -78,10 +77,9 @@ QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.ge
 # a varlen step of up to VARLEN_SPLIT_TOKENS tokens in a CUDA graph (`varlen_graphs.py`) splits the keys of each
 # decode among its first VARLEN_SPLIT_SEQS sequences into this many chunks (of MIN_SPLIT_TOKENS at least), merged
 # by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step
-# (H200, 6 such decodes beside a 256-token prompt: 24.0 -> 13.7 us a layer; mixed steps up to 512 prompt tokens
-# faster, past 768 slower, 8 splits no better than 4; session 33's figures: `git show 06056d3:nanovllm/layers/
-# triton_attention.py`, lines 83-91). NANOVLLM_VARLEN_SPLITS and NANOVLLM_VARLEN_SPLIT_TOKENS override them (splits
-# 1: unsplit)
+# (H200, 6 such decodes beside a 256-token prompt: 24.0 -> 13.7 us a layer; session 33: `git show 06056d3:nanovllm/
+# layers/triton_attention.py`, lines 83-91). NANOVLLM_VARLEN_SPLITS and NANOVLLM_VARLEN_SPLIT_TOKENS override them
+# (splits 1: unsplit)
 VARLEN_DECODE_SPLITS = int(os.environ.get("NANOVLLM_VARLEN_SPLITS", 4))
 VARLEN_SPLIT_SEQS = 16
 VARLEN_SPLIT_TOKENS = int(os.environ.get("NANOVLLM_VARLEN_SPLIT_TOKENS", 384))
