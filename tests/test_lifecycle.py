@@ -454,12 +454,16 @@ def test_an_engine_collects_before_it_freezes(tiny_model):
 
 
 def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(llm):
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # also where pytest started ignoring it
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate([PROMPT, [8, 9]], LONG)
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([PROMPT, [8, 9]], LONG)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 10
     assert_idle_and_clean(llm, ABORTED_WITHIN)  # the interrupted requests were aborted
     assert len(within(30, llm.generate, [PROMPT], GREEDY)[0]["token_ids"]) == 8

@@ -28,7 +28,9 @@ def llm(tiny_model):
 
 
 def run_batch_process(args: list[str], **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "nanovllm.run_batch", *args], cwd=ROOT, **kwargs)
+    # SIGINT at its default, as in a terminal, even where pytest runs as a background job that ignores it
+    return subprocess.Popen([sys.executable, "-m", "nanovllm.run_batch", *args], cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kwargs)
 
 
 def whole_lines(path: Path) -> int:
