@@ -25,9 +25,9 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
+from nanovllm.utils.random_checkpoint import default_checkpoint
 
 DEFAULT_BUDGET = Config.default("max_num_batched_tokens")
-from nanovllm.utils.random_checkpoint import default_checkpoint
 
 
 def percentile(values: list[float], q: float) -> float:
