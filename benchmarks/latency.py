@@ -30,6 +30,20 @@ from nanovllm.utils.random_checkpoint import default_checkpoint
 DEFAULT_BUDGET = Config.default("max_num_batched_tokens")
 
 
+def make_requests(num_requests: int, max_output_len: int, vocab: int) -> tuple[list, list]:
+    """The timed requests (seed 0), and a short burst to run first so that every kind of step has run (and
+    compiled) before the clock starts: 16 prompts of the first requests' lengths, other tokens (the timed
+    prompts themselves would then hit the prefix cache)."""
+    rng = random.Random(0)
+    requests = [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))],
+                 SamplingParams(temperature=0.6, ignore_eos=True,
+                                max_tokens=rng.randint(min(100, max_output_len), max_output_len)))
+                for _ in range(num_requests)]
+    warmup = [([rng.randrange(vocab) for _ in prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+              for prompt, _ in requests[:16]]
+    return requests, warmup
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
@@ -187,16 +201,10 @@ def main():
     watch_garbage_collections()
     path = args.model or str(default_checkpoint("qwen3-0.6b" if torch.cuda.is_available() else "tiny"))
 
-    rng = random.Random(0)
-    vocab = 512 if "tiny" in path else 10000
-    requests = [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))],
-                 SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(min(100, args.max_output_len), args.max_output_len)))
-                for _ in range(args.num_requests)]
+    requests, warmup = make_requests(args.num_requests, args.max_output_len, 512 if "tiny" in path else 10000)
     rows, notes = [], []
     for name, prefill_first, budget in plan_runs(args.policies, args.budgets):
         with LLM(path, prefill_first=prefill_first, max_num_batched_tokens=budget) as llm:
-            # a short burst first: every kind of step has run (and compiled) before the clock starts
-            warmup = [(prompt, SamplingParams(max_tokens=8, ignore_eos=True)) for prompt, _ in requests[:16]]
             asyncio.run(drive(llm, warmup, 4 * args.rate, seed=1))
             compiled, triton_before, steps = compiled_kernels(), len(TRITON_COMPILES), trace_steps(llm)
             prompts, events = trace_prompts(llm)

@@ -62,7 +62,10 @@ def test_step_variants_sets_what_the_engine_reads(monkeypatch):
 def test_latency_names_its_runs_and_splits_first_tokens_and_device_time():
     """latency.py's runs in order (a mixed one per budget, a repeated name numbered), a first token's three parts
     over the requests whose prompt step was seen, and the device's work and idle time by kind of step."""
-    from latency import DEFAULT_BUDGET, device_parts, first_token_parts, plan_runs
+    from latency import DEFAULT_BUDGET, device_parts, first_token_parts, make_requests, plan_runs
+    timed, warmup = make_requests(20, 128, 512)  # the warm-up's prompts leave nothing in the prefix cache for them
+    assert [len(p) for p, _ in warmup] == [len(p) for p, _ in timed[:16]]
+    assert not {tuple(p[:16]) for p, _ in warmup} & {tuple(p[:16]) for p, _ in timed}
     assert plan_runs(["mixed", "prefill-first", "mixed"], [DEFAULT_BUDGET]) == [
         ("mixed", False, DEFAULT_BUDGET), ("prefill-first", True, DEFAULT_BUDGET),
         ("mixed (run 2)", False, DEFAULT_BUDGET)]
