@@ -40,46 +40,42 @@ from nanovllm.layers.triton_guard import tl, triton, triton_available
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
-# Split heuristic, measured on an H200 (benchmarks/decode_attention_notes.md): split when batch x kv_heads programs
-# are fewer than this many per SM, by the cache's bytes an element. Over FP8 (an SM holds 6 of its programs, 4 of
-# the bf16 kernel's) 33-49 sequences split in 2 too (session 30: 48 sequences 2.748 -> 2.582 ms a step)
+# The choices below were measured on an H200 (each with its figures: `git show 06056d3:nanovllm/layers/
+# triton_attention.py`, lines 43-97, and benchmarks/decode_attention_notes.md). Split decode when batch x kv_heads
+# programs are fewer than this many an SM, by the cache's bytes an element (over FP8, whose SM holds 6 programs
+# where bf16's holds 4, 33-49 sequences split in 2 too)
 SPLIT_BELOW_PROGRAMS_PER_SM = {2: 2, 1: 3}
 # and then make about this many, 2 splits at least (more loses to the tail); over FP8 6, an SM's worth of its
-# programs (session 34: steps of 8-32 sequences faster, 4 slower; bf16's lost with 6). Its figures: `git show
-# 06056d3:nanovllm/layers/triton_attention.py` (lines 48-53)
+# programs (steps of 8-32 sequences faster, 4 slower; bf16's lost with 6)
 SPLIT_TARGET_PROGRAMS_PER_SM = {2: 4, 1: 6}
 MAX_SPLITS = 64
 # an unsplit batch of at most this many programs an SM (the 64-key bf16 kernel's occupancy) takes 128-key tiles: its
-# longest program sets its time (H200: bench.py's steps of 33-64 sequences 3.43 -> 3.38 ms; decode notes, run 12)
+# longest program sets its time (decode notes, run 12)
 ONE_WAVE_PROGRAMS_PER_SM = 4
 # an unsplit batch over FP8 of at least this many programs an SM takes 64-key tiles on 2 warps, two in flight
-# (bench.py's ragged contexts: 256 sequences 149.0 -> 141.1 us, 192 113.2 -> 109.9; decode notes, run 13)
+# (decode notes, run 13)
 FP8_DEEP_PROGRAMS_PER_SM = 10
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
 # and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
-# batch 1-2 on an H200), which weighs 16 filled splits as fast as 8 (batch 1 at context ~1,000: 0.891 -> 0.856 ms a
-# step, batch 2 0.976 -> 0.907; 64 took batch 4 from 0.992 to 1.041). NANOVLLM_MIN_SPLIT_TILE overrides it
+# batch 1-2 on an H200), which weighs 16 filled splits as fast as 8. NANOVLLM_MIN_SPLIT_TILE overrides it
 MIN_SPLIT_TOKENS_TILE_MERGE = int(os.environ.get("NANOVLLM_MIN_SPLIT_TILE", 64))
-# the merge of at most this many splits keeps each dim in one thread (`_merge_splits_kernel`): on an H200 1.3-1.9 us
-# a layer at 2-8 splits where a tile across the threads took 6.6-7.1 (at 64 splits 3.6 against 3.3)
+# the merge of at most this many splits keeps each dim in one thread (`_merge_splits_kernel`): faster at 2-8 splits
+# than a tile across the threads, about even at 64
 PER_THREAD_SPLITS = 32
 # split decode: tiles of keys (and values) a program asks L2 for before its dependent-launch wait, while the
-# previous kernel ends (CUDA only). On an H200 at context ~1,000, 2 tiles took batch 1 from 0.950 to 0.900 ms a
-# step; 8 were slower than none, and unsplit steps keep their bandwidth for the previous kernel (batch 256 8.507 ->
-# 8.611 ms with 2). NANOVLLM_KV_PREFETCH overrides it
+# previous kernel ends (CUDA only): 2 helped small batches, 8 were slower than none, and unsplit steps keep their
+# bandwidth for the previous kernel. NANOVLLM_KV_PREFETCH overrides it
 KV_PREFETCH_TILES = int(os.environ.get("NANOVLLM_KV_PREFETCH", 2))
 # varlen: query rows (tokens x heads of one KV head) a program, keys an iteration (halved past head_dim 128), warps and
-# pipeline stages. On an H200 (mixed_attention.py --sweep, `git show d428276:benchmarks/mixed_attention.py`: prompts of
-# 100-900 tokens, alone and beside 6 decodes, as the graphs run them) no other of 10 tiles was faster in sum: 3 stages
-# 2% slower, the others 28-69%. NANOVLLM_VARLEN_TILE="rows,keys,warps,stages" overrides them, for comparison
+# pipeline stages: no other of 10 tiles was faster in sum over prompts of 100-900 tokens, alone and beside decodes.
+# NANOVLLM_VARLEN_TILE="rows,keys,warps,stages" overrides them, for comparison
 QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.get("NANOVLLM_VARLEN_TILE",
                                                                                    "64,64,4,2").split(","))
 # a varlen step of up to VARLEN_SPLIT_TOKENS tokens in a CUDA graph (`varlen_graphs.py`) splits the keys of each
 # decode among its first VARLEN_SPLIT_SEQS sequences into this many chunks (of MIN_SPLIT_TOKENS at least), merged
-# by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step
-# (H200, 6 such decodes beside a 256-token prompt: 24.0 -> 13.7 us a layer; session 33: `git show 06056d3:nanovllm/
-# layers/triton_attention.py`, lines 83-91). NANOVLLM_VARLEN_SPLITS and NANOVLLM_VARLEN_SPLIT_TOKENS override them
-# (splits 1: unsplit)
+# by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
+# The grid has room for every split of every sequence that may take them, and a program of an empty row still
+# costs its start. NANOVLLM_VARLEN_SPLITS and NANOVLLM_VARLEN_SPLIT_TOKENS override them (splits 1: unsplit)
 VARLEN_DECODE_SPLITS = int(os.environ.get("NANOVLLM_VARLEN_SPLITS", 4))
 VARLEN_SPLIT_SEQS = 16
 VARLEN_SPLIT_TOKENS = int(os.environ.get("NANOVLLM_VARLEN_SPLIT_TOKENS", 384))
