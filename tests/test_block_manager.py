@@ -169,3 +169,12 @@ def test_blocks_are_made_when_first_handed_out():
     assert bm.num_free_blocks == 1_000_000 - 2 and list(bm.free_block_ids) == [2, 1, 0]
     c = Sequence(list(range(200, 204)))
     assert bm.allocate(c) and c.block_table == [5]  # fresh before freed
+
+
+def test_a_hash_collision_is_no_hit(monkeypatch):
+    monkeypatch.setattr("nanovllm.engine.block_manager.compute_hash", lambda token_ids, prefix=-1: 1)
+    bm = BlockManager(10, BS)
+    a, b = Sequence(list(range(9))), Sequence(list(range(100, 109)))
+    bm.allocate(a)
+    computed(bm, a)
+    assert bm.allocate(b) and b.num_cached_tokens == 0

@@ -143,6 +143,13 @@ def test_stops_on_generation_config_eos(tiny_model, tmp_path):
     assert ignored[0]["token_ids"] == free_run
 
 
+def test_every_eos_id_of_generation_config_counts(tmp_path):
+    from types import SimpleNamespace
+    from nanovllm.engine.llm_engine import eos_token_ids
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 3]}')
+    assert eos_token_ids(str(tmp_path), SimpleNamespace(eos_token_id=5)) == (3, 5, 7)
+
+
 def test_sampling_is_seeded_and_in_vocab(tiny_model):
     prompts = mixed_prompts(4)
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)

@@ -13,7 +13,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.penalty_slots import PenaltySlots
 from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler, apply_min_p_top_k_top_p, apply_penalties
+from nanovllm.layers.sampler import Sampler, SamplingBatch, apply_min_p_top_k_top_p, apply_penalties
 from tests.conftest import full_rebuild_penalties
 
 
@@ -47,6 +47,14 @@ def test_plain_rows_take_the_fast_path():
     assert not full.is_plain
     assert full.top_k.tolist() == [64, 3, 64] and full.top_p is None and full.penalties is None
     assert full.banned[2, 1] and not full.banned[:2].any()  # only the row short of min_tokens bans EOS
+
+
+def test_a_ban_holds_for_every_row_and_logprobs_are_of_the_raw_logits():
+    logits = torch.tensor([[0.0, 1.0, 20.0]] * 2)
+    ban = torch.tensor([[False, False, True]] * 2)
+    batch = SamplingBatch(torch.tensor([0.0, 1.0]), banned=ban, num_logprobs=[3, 3])
+    sampled, (_, _, top_values) = Sampler().sample(logits, batch, torch.Generator().manual_seed(0))
+    assert sampled[0] == 1 and sampled[1] != 2 and torch.allclose(top_values, logits.log_softmax(-1).flip(-1))
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm):

@@ -211,3 +211,12 @@ def test_a_decode_step_keeps_to_the_token_budget(tiny_model):
     assert step(s)[0] == {seqs[2].seq_id: 4}
     s.max_num_batched_tokens = 2
     assert len(step(s)[0]) == 2  # three sequences decode, two at a time
+
+
+def test_a_sequence_whose_pending_token_ends_it_holds_back_no_other(tiny_model):
+    s = make_scheduler(tiny_model, prefill_first=False, num_kvcache_blocks=8)
+    a, b = Sequence([9] * 4, SamplingParams(max_tokens=1)), Sequence([8] * 4, SamplingParams(max_tokens=5))
+    s.add(a)
+    s.add(b)
+    launch(s)
+    assert s.schedule() == [b] and b.num_scheduled_tokens == 1

@@ -190,3 +190,12 @@ def test_the_text_decoder_skips_the_wrapper_only_where_it_adds_nothing(tokenizer
         monkeypatch.setattr(tokenizer, "__class__", type("Own", (base,), {method: lambda *args: None}))
         assert text_decoder(tokenizer)([5], True) == "wrapper's"
     assert len(calls) == 5
+
+
+def test_a_handle_keeps_the_end_it_finished_with(tokenizer):
+    handle = make_handle(tokenizer)
+    sample(handle, 100)
+    handle.seq.status, handle.seq.finish_reason = SequenceStatus.FINISHED, "length"
+    handle._end_aborted()  # a close() after the scheduler finished it
+    handle._on_error(RuntimeError("late"))  # a handle finishes once
+    assert handle.result(timeout=0)["finish_reason"] == "length"
