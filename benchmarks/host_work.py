@@ -9,8 +9,8 @@ item 4), timed on CPU:
     the build of the sampling batch and the sampler, plain temperature rows vs penalized ones (the penalties
     must not cost a pass over every sequence's history at every step);
 (d) what a tensor-parallel decode step of 256 sequences (contexts 100..1024) costs the channel: rank 0 pickles
-    the call, a worker unpickles it and builds the step's arrays. The workers now get the arrays
-    (`StepInputs`); posting the `Sequence`s, as before, is timed beside it.
+    the step's arrays (`StepInputs`), a worker unpickles them (posting the `Sequence`s instead, before 2c5a163,
+    cost 10-30x as much).
 
     python benchmarks/host_work.py [--blocks 4400 131072] [--repeat 50] [--tokens 2000] [--steps 5]
 
@@ -170,8 +170,8 @@ def sampling_step_row(params: SamplingParams, num_seqs: int, num_steps: int, rng
     return {"build": median_ms(build), "sample": median_ms(sample)}
 
 
-def channel_rows(num_seqs: int, repeat: int, rng: random.Random) -> dict:
-    """Median us per decode step: (pickle, unpickle + build the arrays) for each way of posting it."""
+def channel_row(num_seqs: int, repeat: int, rng: random.Random) -> tuple[float, float, int]:
+    """Median us per decode step to pickle and to unpickle its `StepInputs`, and their bytes."""
     seqs = []
     for i in range(num_seqs):
         seq = Sequence([rng.randrange(VOCAB) for _ in range(rng.randint(100, 1024))], SamplingParams())
@@ -187,12 +187,9 @@ def channel_rows(num_seqs: int, repeat: int, rng: random.Random) -> dict:
             timings.append(time.perf_counter() - start)
         return statistics.median(timings) * 1e6
 
-    inputs = step_inputs(seqs, 256)  # rank 0 builds them for its own step either way
-    as_seqs, as_inputs = pickle.dumps(["run", seqs]), pickle.dumps(["run_step", inputs])
-    return {"sequences": (us(lambda: pickle.dumps(["run", seqs])),
-                          us(lambda: step_inputs(pickle.loads(as_seqs)[1], 256)), len(as_seqs)),
-            "step inputs": (us(lambda: pickle.dumps(["run_step", inputs])), us(lambda: pickle.loads(as_inputs)),
-                            len(as_inputs))}
+    inputs = step_inputs(seqs, 256)  # rank 0 builds them for its own step
+    data = pickle.dumps(["run_step", inputs])
+    return us(lambda: pickle.dumps(["run_step", inputs])), us(lambda: pickle.loads(data)), len(data)
 
 
 def main():
@@ -237,9 +234,8 @@ def main():
               f"{step_ms / plain_ms:>7.2f}")
 
     print(f"\ntensor-parallel channel, a decode step of 256 sequences, median of {args.repeat} (us)")
-    print(f"{'posted as':>22} | {'rank 0 pickles':>14} | {'worker unpickles + builds':>25} | {'bytes':>7}")
-    for name, (post, take, size) in channel_rows(256, args.repeat, rng).items():
-        print(f"{name:>22} | {post:>14.1f} | {take:>25.1f} | {size:>7}")
+    post, take, size = channel_row(256, args.repeat, rng)
+    print(f"rank 0 pickles {post:.1f}, a worker unpickles {take:.1f}; {size} bytes")
     gc.unfreeze()
 
 

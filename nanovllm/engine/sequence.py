@@ -3,9 +3,6 @@
 With overlap scheduling a sequence's last token may be pending: sampled by the step in flight, its value is
 still on the GPU (row `pending_row` of that step's sampled tokens), and its place holds PENDING until the
 step completes. The next step can already compute it: the model runner reads the value there.
-
-A sequence pickles compactly for the tensor-parallel workers: only what one step needs travels (the
-scheduled tokens, the block table and a few counters), never the whole token history.
 """
 from copy import copy
 from enum import Enum, auto
@@ -24,7 +21,7 @@ class SequenceStatus(Enum):
 
 class Sequence:
     __slots__ = (
-        "seq_id", "status", "token_ids", "token_offset", "last_token", "num_tokens", "num_prompt_tokens",
+        "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
         "num_computed_tokens", "num_cached_tokens", "num_scheduled_tokens", "block_table", "block_hashes",
         "params", "plain_sampling", "finish_reason", "stop_reason", "logprobs", "pending_row",
     )
@@ -34,7 +31,6 @@ class Sequence:
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
-        self.token_offset = 0  # index of token_ids[0] in the sequence; > 0 only in a worker's copy
         self.last_token = token_ids[-1]
         self.num_tokens = len(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -43,7 +39,7 @@ class Sequence:
         self.num_scheduled_tokens = 0  # tokens this step computes
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of its first full blocks (the block manager's)
-        self.params = sampling_params  # only rank 0 samples: the workers' copies go without it
+        self.params = sampling_params
         self.plain_sampling = sampling_params.is_plain  # read every step: cached
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -70,8 +66,7 @@ class Sequence:
 
     @property
     def scheduled_token_ids(self) -> list[int]:
-        start = self.num_computed_tokens - self.token_offset
-        return self.token_ids[start:start + self.num_scheduled_tokens]
+        return self.token_ids[self.num_computed_tokens:self.num_computed_tokens + self.num_scheduled_tokens]
 
     @property
     def samples_this_step(self) -> bool:
@@ -114,12 +109,3 @@ class Sequence:
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None):
         self.append_pending(0)
         self.fill_pending(token_id, logprobs)
-
-    def __getstate__(self):
-        return (self.seq_id, self.num_tokens, self.num_computed_tokens, self.num_scheduled_tokens,
-                self.block_table, self.pending_row, self.scheduled_token_ids)
-
-    def __setstate__(self, state):
-        (self.seq_id, self.num_tokens, self.num_computed_tokens, self.num_scheduled_tokens,
-         self.block_table, self.pending_row, self.token_ids) = state
-        self.token_offset = self.num_computed_tokens
