@@ -552,6 +552,17 @@ def test_step_counts_prefill_tokens_then_minus_decodes_until_the_token_in_flight
         assert not llm._loop.handles and not llm.scheduler.running and llm._in_flight is None
 
 
+def test_a_prompts_last_token_alone_is_a_prefill_step(tiny_model):
+    # a one-token prompt, and a 17-token one whose first 16 tokens are cached the second time: prefill tokens
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        for prompt, prefill in (([5], 1), (list(range(400, 417)), 17), (list(range(400, 417)), 1)):
+            llm.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+            counts = []
+            while not llm.is_finished():
+                counts.append(llm.step()[1])
+            assert counts[:2] == [prefill, -1]
+
+
 def test_a_steps_throughput_counts_from_its_launch_after_a_pause(tiny_model, monkeypatch):
     """The progress bar's tokens a second: a step's time runs from when the step before it completed (steps
     overlap), but after a pause from the step's own launch, so the idle time is not counted. Here on a fake

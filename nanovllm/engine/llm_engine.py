@@ -200,7 +200,9 @@ class LLMEngine:
         self.check_workers()
         finished = []
         seqs = self.scheduler.schedule()
-        num_decode = sum(seq.num_scheduled_tokens == 1 for seq in seqs)
+        # a decode computes a generated token; a prompt's last one (a one-token prompt, or after a prefix hit) is prefill
+        num_decode = sum(seq.num_scheduled_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+                         for seq in seqs)
         num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
         step = self._launch(seqs, num_prefill, num_decode) if seqs else None
         if self._in_flight is not None:
