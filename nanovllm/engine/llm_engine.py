@@ -200,7 +200,7 @@ class LLMEngine:
         self.check_workers()
         finished = []
         seqs = self.scheduler.schedule()
-        # a decode computes a generated token; a prompt's last one (a one-token prompt, or after a prefix hit) is prefill
+        # a decode computes a generated token; a prompt's last token alone (a one-token prompt, a prefix hit) is prefill
         num_decode = sum(seq.num_scheduled_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
                          for seq in seqs)
         num_prefill = sum(seq.num_scheduled_tokens for seq in seqs) - num_decode
