@@ -49,6 +49,8 @@ def test_cuda_graph_decode_equals_eager(qwen3_06b):
     with LLM(qwen3_06b, max_model_len=2048, max_num_seqs=20) as graphs:
         assert graphs.model_runner.graphs is not None, "no CUDA graphs were captured"
         assert graphs.model_runner.graphs.batch_sizes == [1, 2, 4, 8, 16, 20]
+        if graphs.model_runner.backend.name in ("triton", "triton-decode"):  # short contexts' graphs: fewer splits
+            assert graphs.model_runner.graphs.bounds[1] == [128, 256, 512, 1024, 2048]
         # a long batch first leaves long block tables behind; the next replay must not read them
         graphs.generate(prompts(20, seed=1, lo=1500, hi=2000), greedy(8), use_tqdm=False)
         got = [o["token_ids"] for o in graphs.generate(batch, greedy(48), use_tqdm=False)]

@@ -110,8 +110,8 @@ def test_packed_inputs_give_the_same_outputs(tiny_model, engine_args):
 class EagerGraphs(DecodeGraphs):
     """DecodeGraphs whose graphs run `_forward` eagerly at replay."""
 
-    def _capture(self, bs, pool):
-        return SimpleNamespace(replay=partial(self._forward, bs), reset=lambda: None), pool
+    def _capture(self, bs, bound, pool):
+        return SimpleNamespace(replay=partial(self._forward, bs, bound), reset=lambda: None), pool
 
 
 class GraphMetaBackend(TorchBackend):
@@ -124,9 +124,11 @@ class GraphMetaBackend(TorchBackend):
         return super().forward(q, k, v, k_cache, v_cache, meta, *args)
 
 
-def as_on_cuda(llm: LLM, graphs: bool, sample_in_graph: bool = True, graphs_up_to: int | None = None):
+def as_on_cuda(llm: LLM, graphs: bool, sample_in_graph: bool = True, graphs_up_to: int | None = None,
+               context_bounds=None):
     """Give the engine's runner what it has on CUDA: the Triton sampler's device counter, packed inputs and,
-    when `graphs`, decode graphs (eager ones), for batches up to `graphs_up_to` (max_num_seqs)."""
+    when `graphs`, decode graphs (eager ones), for batches up to `graphs_up_to` (max_num_seqs), with graphs for
+    the `context_bounds` of each size."""
     runner, config = llm.model_runner, llm.config
     runner.sampler.rng_state = make_rng_state(config.seed, CPU)
     runner.staging = Staging(CPU, pack=True)
@@ -135,7 +137,8 @@ def as_on_cuda(llm: LLM, graphs: bool, sample_in_graph: bool = True, graphs_up_t
         layer.backend = backend
     if graphs:
         runner.graphs = EagerGraphs(runner.model, graphs_up_to or config.max_num_seqs, config.max_model_len,
-                                    runner.block_size, CPU, runner.sampler.rng_state if sample_in_graph else None)
+                                    runner.block_size, CPU, runner.sampler.rng_state if sample_in_graph else None,
+                                    context_bounds)
     return llm
 
 
@@ -182,6 +185,34 @@ def test_graph_replays_send_the_decode_kernel_longest_contexts_first(tiny_model)
     for order, lens in orders:
         assert sorted(order) == list(range(len(lens)))
         assert [lens[i] for i in order] == sorted(lens, reverse=True)
+
+
+@needs_interpreter
+def test_graph_replays_take_the_graph_of_the_smallest_bound_on_their_contexts(tiny_model):
+    """A backend that plans short contexts apart (here bounds of 24 and 48 tokens at batch sizes up to 2) gets a
+    graph per bound and size; each replay runs the one whose bound is the smallest that holds its longest context,
+    as its metadata's max_seqlen_k tells the backend, and the tokens are those of eager steps."""
+    seen = []  # (max_seqlen_k, longest context, graph's batch size) of each replay's attention
+
+    class Recording(GraphMetaBackend):
+        def forward(self, q, k, v, k_cache, v_cache, meta, *args):
+            if meta.decode_order is not None:
+                seen.append((meta.max_seqlen_k, max(meta.context_lens.tolist()), len(meta.context_lens)))
+            return super().forward(q, k, v, k_cache, v_cache, meta, *args)
+    batch, params = [[5, 6, 7, 8, 9], [3] * 9], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    with LLM(tiny_model, device="cpu", kvcache_block_size=16, max_num_seqs=8) as llm:
+        longest = llm.config.max_model_len  # (a bound of it or past it is the graph of any context)
+        as_on_cuda(llm, graphs=True, sample_in_graph=False,
+                   context_bounds=lambda bs: [24, 48, longest, 2 * longest] if bs <= 2 else [])
+        assert llm.model_runner.graphs.bounds == {1: [24, 48, longest], 2: [24, 48, longest], 4: [longest],
+                                                  8: [longest]}
+        for layer in llm.model_runner.attn_layers:
+            layer.backend = Recording()
+        outputs = [o["token_ids"] for o in llm.generate(batch, params, use_tqdm=False)]
+    assert outputs == generate(tiny_model, batch, params, graphs=False)
+    assert {bound for bound, *_ in seen} == {24, 48, longest}
+    for bound, context, bs in seen:
+        assert bound == next(b for b in (24, 48, longest) if b >= context) and bs <= 2
 
 
 @needs_interpreter

@@ -617,6 +617,64 @@ def test_decode_splits_fill_the_gpu():
         assert sms <= batch * 8 * splits <= 4 * sms and splits <= triton_attention.MAX_SPLITS
 
 
+def test_decode_splits_of_short_contexts():
+    """Given the batch's longest context, a batch takes no more splits than the power of two >= context /
+    MIN_SPLIT_TOKENS (1 up to 128 keys: no merge), while that is at most SHORT_CONTEXT_SPLITS; past it, or unknown
+    (0), the batch's own."""
+    sms, splits = 132, triton_attention.decode_splits
+    assert (triton_attention.MIN_SPLIT_TOKENS, triton_attention.SHORT_CONTEXT_SPLITS) == (128, 16)
+    assert splits(8, 8, sms) == 8
+    assert [splits(8, 8, sms, max_context=c) for c in (1, 128, 129, 256, 300, 512, 513, 1024, 4096, 0)] == \
+        [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
+    assert splits(1, 8, sms) == 64
+    assert [splits(1, 8, sms, max_context=c) for c in (2048, 2049, 8192)] == [16, 64, 64]
+    assert splits(16, 8, sms, 1, max_context=300) == 4 < splits(16, 8, sms, 1) == 6  # (FP8: 6 splits)
+    assert splits(256, 8, sms, max_context=100) == 1
+
+
+def test_decode_context_bounds_are_where_the_splits_fall():
+    """The bounds a decode graph is captured at for each batch size: MIN_SPLIT_TOKENS x each power of two below
+    the batch's splits, up to SHORT_CONTEXT_SPLITS; each bound's batch takes fewer splits than the next."""
+    sms, bounds = 132, triton_attention.decode_context_bounds
+    assert bounds(1, 8, sms) == [128, 256, 512, 1024, 2048]
+    assert bounds(8, 8, sms) == [128, 256, 512]
+    assert bounds(32, 8, sms) == [128] and bounds(32, 8, sms, 1) == [128, 256]  # (2 splits; FP8: 3)
+    assert bounds(33, 8, sms) == bounds(256, 8, sms) == []
+    for batch in (1, 2, 4, 8, 16, 32):
+        counts = [triton_attention.decode_splits(batch, 8, sms, max_context=b)
+                  for b in (*bounds(batch, 8, sms), 1 << 20)]
+        assert counts == sorted(set(counts)) and counts[-1] == triton_attention.decode_splits(batch, 8, sms)
+
+
+def test_decode_of_short_contexts_needs_no_merge(merge_launches):
+    """A batch whose contexts fit one split, told so (`max_context`), runs unsplit: no merge launches; told a
+    bound of 300 it takes 4 splits, told none its own (64, on an H200's 132 SMs); the output is right each time."""
+    contexts = [100, 37, 128]
+    q, k, v, caches, meta = make_case([1] * 3, contexts, 4, 2, 64, 16, False, seed=15)
+    expected = reference(q, k, v, caches, meta, False)
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    for max_context in (128, 300, 0):
+        out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125,
+                                                max_context=max_context)
+        assert_close(out, expected, torch.float32)
+    assert [n for n, *_ in merge_launches] == [4, triton_attention.decode_splits(3, 2, 132)]
+
+
+def test_steps_tell_the_decode_kernel_their_longest_context(monkeypatch):
+    """A decode-only step and a mixed step's leading decodes pass the metadata's max_seqlen_k (the host's longest
+    context, or a graph's bound) to the decode kernel as its max_context."""
+    monkeypatch.setattr(triton_attention, "SPLIT_DECODES", 2)
+    seen = []
+    monkeypatch.setattr(triton_attention, "decode_attention",
+                        lambda q, *a, **kw: seen.append(kw["max_context"]) or torch.zeros_like(q))
+    cache = torch.zeros(8, 16, 2, 64, device=DEVICE)
+    q, k, v, _, meta = make_case([1, 1], [40, 17], 4, 2, 64, 16, False, seed=16)
+    triton_attention.paged_attention(q, k, v, cache, cache, meta, 0.125)
+    q, k, v, _, meta = make_case([1, 1, 9], [5, 40, 30], 4, 2, 64, 16, False, seed=17)
+    triton_attention.split_decodes(q, cache, cache, dataclasses.replace(meta, num_decodes=2, max_seqlen_k=77), 0.125)
+    assert seen == [40, 77]
+
+
 @pytest.mark.parametrize("itemsize", [2, 1])
 def test_decode_splits_only_below_their_programs_per_sm(itemsize):
     """The boundary of the split heuristic: batch x kv_heads programs of exactly SPLIT_BELOW_PROGRAMS_PER_SM per SM

@@ -9,6 +9,9 @@ KV (slot -1), read one slot of block 0 and sample greedily. A graph records, on 
   replay yields the sampled ids, and the next replay reads its pending tokens from there without a copy.
 The host fills every static input (ids, positions, slots, pending rows, context lengths, temperatures, block
 tables) with one host-to-device copy: they are views of one device buffer, laid out as its pinned mirror.
+Where the attention backend plans a decode step of short contexts more cheaply (`context_bounds`: the Triton
+decode kernel's fewer splits), a batch size also has a graph for each such bound on its longest context (the
+metadata's max_seqlen_k), and a replay takes the one of the smallest bound that holds the step's contexts.
 """
 import numpy as np
 import torch
@@ -34,14 +37,15 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device,
-                 rng_state: torch.Tensor | None = None):
-        """rng_state: the plain sampler's device counter (`triton_sampler`); None records no sampler."""
+                 rng_state: torch.Tensor | None = None, context_bounds=None):
+        """rng_state: the plain sampler's device counter (`triton_sampler`); None records no sampler.
+        context_bounds(batch size): the bounds on a step's longest context below max_model_len that get graphs
+        of their own (the backend's `decode_context_bounds`); None: none."""
         self.model = model
         self.rng_state = rng_state
         max_bs = min(max_num_seqs, 512)
         # a full-length sequence's first decode needs max_model_len // block_size + 1 blocks
         self.max_blocks = max_model_len // block_size + 1
-        self.max_model_len = max_model_len
         self.batch_sizes = sorted({*[b for b in (1, 2, 4, 8) if b < max_bs], *range(16, max_bs, 16), max_bs})
         self.inputs = StaticInputs([*((name, dtype, (max_bs,)) for name, dtype, _ in FIELDS),
                                     ("decode_order", np.int32, (max_bs,)),
@@ -53,21 +57,25 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         # the last step's samples in, this step's out: any step samples at most max_num_seqs rows
         self.tokens = torch.zeros(max(max_num_seqs, max_bs), dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # each size's bounds on the longest context, max_model_len last: a graph each
+        self.bounds = {bs: [b for b in (context_bounds(bs) if context_bounds else ()) if b < max_model_len]
+                       + [max_model_len] for bs in self.batch_sizes}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max_bs, vocab] on rank 0; None on the other ranks
         saved_rng_state = None if rng_state is None else rng_state.clone()
         pool = None
         for bs in reversed(self.batch_sizes):
-            self._forward(bs)  # warm-up / compile
-            self.graphs[bs], pool = self._capture(bs, pool)
+            for bound in reversed(self.bounds[bs]):
+                self._forward(bs, bound)  # warm-up / compile
+                self.graphs[bs, bound], pool = self._capture(bs, bound, pool)
         if rng_state is not None:
             rng_state.copy_(saved_rng_state)  # capturing draws nothing: the same draws with or without graphs
 
-    def _capture(self, bs: int, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-        """The graph of `_forward(bs)`, in the memory pool that every size shares."""
+    def _capture(self, bs: int, bound: int, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+        """The graph of `_forward(bs, bound)`, in the memory pool that every size shares."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool):
-            self._forward(bs)
+            self._forward(bs, bound)
         torch.cuda.synchronize()
         return graph, pool or graph.pool()
 
@@ -76,12 +84,12 @@ class DecodeGraphs:
         """Replays of rank 0 yield the plain sampler's tokens."""
         return self.rng_state is not None and self.logits is not None
 
-    def _forward(self, bs: int):
+    def _forward(self, bs: int, bound: int):
         g = self.vars
         input_ids = read_pending(self.tokens, g["pending_rows"][:bs], g["input_ids"][:bs])
         meta = AttentionMetadata(slot_mapping=g["slot_mapping"][:bs], block_tables=g["block_tables"][:bs],
                                  context_lens=g["context_lens"][:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
-                                 max_seqlen_q=1, max_seqlen_k=self.max_model_len, decode_order=g["decode_order"][:bs])
+                                 max_seqlen_q=1, max_seqlen_k=bound, decode_order=g["decode_order"][:bs])
         hidden_states = self.model(input_ids, g["positions"][:bs], meta)
         # into the buffer that every size shares, made by the largest batch's warm-up (eager, the first call)
         logits = self.model.compute_logits(hidden_states, None if self.logits is None else self.logits[:bs])
@@ -119,7 +127,8 @@ class DecodeGraphs:
         host["block_tables"][:n, :inputs.block_tables.shape[1]] = inputs.block_tables
         self.inputs.send(staging, bs)  # of the block tables, the rows that this graph reads
         keep_samples(self.tokens, inputs, last_sampled)  # the last step may have sampled outside this graph
-        self.graphs[bs].replay()
+        longest, bounds = int(inputs.context_lens.max()), self.bounds[bs]
+        self.graphs[bs, next((b for b in bounds if b >= longest), bounds[-1])].replay()
         if self.logits is None:
             return None, None
         return self.logits[:n], self.tokens[:n] if temperatures is not None and self.samples else None

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 from contextlib import contextmanager
+from functools import partial
 from multiprocessing.synchronize import Semaphore
 
 import numpy as np
@@ -127,8 +128,11 @@ class ModelRunner:
         if config.device == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             # NANOVLLM_GRAPH_SAMPLER=0 leaves the sampler out of the graphs (for comparison and debugging)
             sample_in_graph = os.environ.get("NANOVLLM_GRAPH_SAMPLER", "1") != "0"
+            attn = self.attn_layers[0]
+            bounds = partial(self.backend.decode_context_bounds, num_kv_heads=attn.num_kv_heads,
+                             kv_itemsize=attn.k_cache.element_size(), device=self.device)
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_model_len, self.block_size,
-                                       self.device, self.sampler.rng_state if sample_in_graph else None)
+                                       self.device, self.sampler.rng_state if sample_in_graph else None, bounds)
         # prefills and mixed steps replay the model's pieces, attention runs eagerly between them, so any backend
         # will do (on an H200 this cut latency.py's ITL p99 from 74 to 16 ms); NANOVLLM_PIECEWISE_GRAPHS=0 turns
         # them off

@@ -78,6 +78,12 @@ class AttentionBackend(ABC):
             raise ValueError(f"attention_backend={self.name!r} cannot read an FP8 KV cache "
                              "(kv_cache_dtype='fp8'); use 'auto', 'triton' or 'torch'")
 
+    def decode_context_bounds(self, batch: int, num_kv_heads: int, kv_itemsize: int, device: torch.device
+                              ) -> list[int]:
+        """Bounds on the longest context, shortest first, under which a decode step of `batch` sequences runs a
+        cheaper plan (told by `AttentionMetadata.max_seqlen_k`): the decode graphs capture one at each."""
+        return []
+
     @abstractmethod
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0): ...

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers import triton_kvstore
+from nanovllm.layers.triton_guard import num_sms
 
 FA2_BLOCK_MULTIPLE = 256
 MAX_HEAD_DIM = 256
@@ -122,6 +123,11 @@ class FlashAttnBackend(AttentionBackend):
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
         triton_kvstore.store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def decode_context_bounds(self, batch, num_kv_heads, kv_itemsize, device):
+        if self._triton is None:  # (flash-attn's own decode takes no bound)
+            return []
+        return self._triton.decode_context_bounds(batch, num_kv_heads, num_sms(device), kv_itemsize)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,

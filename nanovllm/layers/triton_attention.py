@@ -13,7 +13,8 @@ model's dtype, in float16 over an FP8 cache (every e4m3 value is exact in float1
 instruction on sm89+ where bf16 takes several), in float32 (IEEE) for a float32 model.
 
 Decode splits the keys when `batch x num_kv_heads` programs would leave streaming multiprocessors idle: the
-split count comes from the batch size alone (fixed for a captured CUDA graph), each split's chunk from the
+split count comes from the batch size and a bound on its contexts that the host gives (`max_context`: fewer
+splits where contexts are short; the decode graphs capture one graph per bound), each split's chunk from the
 sequence's context length on the device (`max(min_split_tokens, ceil(context / splits))`, whole tiles), so a
 short context uses fewer splits and a longer one after capture still reads every key. Splits write their
 normalised output and log-sum-exp in float32; a second kernel merges them. A split past the context ends before
@@ -56,6 +57,12 @@ ONE_WAVE_PROGRAMS_PER_SM = 4
 # (decode notes, run 13)
 FP8_DEEP_PROGRAMS_PER_SM = 10
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
+# where the host knows a batch's longest context (`decode_splits`' max_context), it takes no more splits than the
+# power of two >= context / MIN_SPLIT_TOKENS, when that is at most this many: no program of an empty split starts,
+# and a batch of contexts up to MIN_SPLIT_TOKENS needs no merge (H200, 1-32 sequences at contexts of 64-2,048: 8 x
+# 128 12.9 -> 8.3 us, 1 x 1,024 12.4 -> 10.7, FP8 4 x 700 16.0 -> 11.9; past 16, 32 splits of 1 x 4,096 lost 1.4 us).
+# NANOVLLM_SHORT_CONTEXT_SPLITS=0 turns it off, for comparison
+SHORT_CONTEXT_SPLITS = int(os.environ.get("NANOVLLM_SHORT_CONTEXT_SPLITS", 16))
 # and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
 # batch 1-2 on an H200), which weighs 16 filled splits as fast as 8. NANOVLLM_MIN_SPLIT_TILE overrides it
 MIN_SPLIT_TOKENS_TILE_MERGE = int(os.environ.get("NANOVLLM_MIN_SPLIT_TILE", 64))
@@ -307,12 +314,24 @@ if triton is not None:
         tl.store(out_ptr + out_row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kv_itemsize: int = 2) -> int:
-    """How many chunks decode cuts each sequence's keys into: 1 when the programs fill the GPU."""
+def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kv_itemsize: int = 2, max_context: int = 0) -> int:
+    """How many chunks decode cuts each sequence's keys into: 1 when the programs fill the GPU; with `max_context`
+    (the batch's longest context, 0: unknown), no more than SHORT_CONTEXT_SPLITS says."""
     programs, itemsize = batch * num_kv_heads, min(kv_itemsize, 2)  # (float32 splits as bf16 does)
     if programs >= SPLIT_BELOW_PROGRAMS_PER_SM[itemsize] * num_sms:
         return 1
-    return max(2, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS_PER_SM[itemsize] * num_sms // programs))
+    splits = max(2, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS_PER_SM[itemsize] * num_sms // programs))
+    needed = -(-max_context // MIN_SPLIT_TOKENS)
+    if 0 < needed <= SHORT_CONTEXT_SPLITS:
+        splits = min(splits, 1 << (needed - 1).bit_length())
+    return splits
+
+
+def decode_context_bounds(batch: int, num_kv_heads: int, num_sms: int, kv_itemsize: int = 2) -> list[int]:
+    """The longest contexts, shortest first, up to which a batch takes fewer splits than `decode_splits` gives it at
+    any length: a CUDA graph captured with each as its bound serves the batches whose contexts it bounds."""
+    splits = decode_splits(batch, num_kv_heads, num_sms, kv_itemsize)
+    return [MIN_SPLIT_TOKENS * (1 << k) for k in range(SHORT_CONTEXT_SPLITS.bit_length()) if 1 << k < splits]
 
 
 def decode_tile(head_dim: int, kv_itemsize: int, split: bool = False, block_size: int = 0,
@@ -367,12 +386,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: int | None = None, min_split_tokens: int | None = None,
                      kv_tile: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      compute_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                     order: torch.Tensor | None = None) -> torch.Tensor:
+                     order: torch.Tensor | None = None, max_context: int = 0) -> torch.Tensor:
     """One query token per sequence: q [batch, num_heads, head_dim] -> out [batch, num_heads, head_dim] (written
     into `out` when given). `order`: [batch] int32, a permutation of the rows, the order in which their programs
     go out (longest context first: on bench.py's ragged contexts, 100 to 2,048 tokens, the H200 read the cache
-    9-17% faster at 96-256 sequences than in batch order; None: batch order). The other keyword-only arguments
-    override the tuned choices (benchmarks and tests)."""
+    9-17% faster at 96-256 sequences than in batch order; None: batch order). `max_context`: a bound on the
+    contexts, which fewer splits then serve (`decode_splits`; 0: none). The other keyword-only arguments override
+    the tuned choices (benchmarks and tests)."""
     require_triton("the Triton attention kernels")
     batch, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -380,7 +400,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert q.stride(-1) == 1 and block_tables.stride(-1) == 1 and num_heads % kv_heads == 0
     sms, itemsize = _num_sms(q.device), k_cache.element_size()
     if num_splits is None:
-        num_splits = decode_splits(batch, kv_heads, sms, itemsize)
+        num_splits = decode_splits(batch, kv_heads, sms, itemsize, max_context)
     if min_split_tokens is None:
         min_split_tokens = MIN_SPLIT_TOKENS if num_splits <= PER_THREAD_SPLITS else MIN_SPLIT_TOKENS_TILE_MERGE
     v_chunk = value_chunk(v_cache)
@@ -548,7 +568,8 @@ def split_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return None, meta
     block_tables, context_lens, rest = meta.decodes_and_rest()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    decode_attention(q[:n], k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out=out[:n])
+    decode_attention(q[:n], k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out=out[:n],
+                     max_context=meta.max_seqlen_k)
     return out, rest
 
 
@@ -558,7 +579,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     leading decodes split off to the decode kernel when it has many (`split_decodes`)."""
     if k_cache.numel() and meta.max_seqlen_q == 1:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, k_scale, v_scale,
-                                order=meta.decode_order)
+                                order=meta.decode_order, max_context=meta.max_seqlen_k)
     out, meta = split_decodes(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
     return varlen_attention(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, out=out)
 
@@ -583,6 +604,9 @@ class TritonBackend(AttentionBackend):
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
         triton_kvstore.store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def decode_context_bounds(self, batch, num_kv_heads, kv_itemsize, device):
+        return decode_context_bounds(batch, num_kv_heads, _num_sms(device), kv_itemsize)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
