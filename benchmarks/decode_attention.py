@@ -151,22 +151,6 @@ def table(args):
         torch.cuda.empty_cache()
 
 
-def fp8_tile_cases() -> list:
-    """FP8 decode tiles (keys, warps, stages) beside the default, across the table's shapes: 64 keys on 2 warps
-    was 20% faster than the default (128 keys, 4 warps) at 256 x 1k, the one shape it was timed at."""
-    tiles = ((128, 4, 3), (64, 2, 3), (64, 2, 4), (64, 4, 3), (32, 2, 4))
-    shapes = ((32, 4096), (128, 1024), (256, 1024), (512, 1024), (256, 4096), (8, 16384), (1, 16384))
-    return [(b, c, True, dict(kv_tile=t, num_warps=w, num_stages=st)) for b, c in shapes for t, w, st in tiles]
-
-
-def short_tile_cases() -> list:
-    """bf16 decode tiles beside the default (64 keys, 4 warps, 3 stages) where contexts are short and batches
-    large (512 x 128 read at 71% of copy bandwidth), and at longer contexts that a change must not slow."""
-    tiles = ((64, 4, 3), (64, 4, 2), (128, 4, 2), (128, 8, 2), (32, 2, 3), (64, 2, 3), (32, 4, 2))
-    shapes = ((512, 128), (256, 128), (512, 1024), (128, 4096), (32, 4096))
-    return [(b, c, False, dict(kv_tile=t, num_warps=w, num_stages=st)) for b, c in shapes for t, w, st in tiles]
-
-
 def cell(us: float, p: Problem, fp8: bool = False) -> str:
     """Microseconds and, in brackets, TB/s of KV read (bf16, or FP8: half the bytes)."""
     return f"{us:.1f} ({p.bytes_bf16 / (2 if fp8 else 1) / us / 1e6:.2f})"
@@ -192,30 +176,12 @@ def ragged(args):
         torch.cuda.empty_cache()
 
 
-def ragged_tiles(args):
-    """bf16 decode tiles (keys, warps, stages) at bench.py's ragged contexts and at equal ones of their mean: a
-    smaller tile in fewer stages lets more programs share an SM, which may even out the long sequences' tail."""
-    copy = copy_bandwidth()
-    print(f"copy bandwidth {copy:.2f} TB/s; us (TB/s), ragged 100..2048 / equal 1074, block 256, 1 split")
-    tiles = ((64, 4, 3), (64, 4, 2), (32, 2, 3), (32, 4, 2), (32, 2, 4), (128, 8, 2))
-    print("| batch | " + " | ".join(f"{t} ragged | {t} equal" for t in tiles) + " |")
-    for batch in args.batch:
-        cells = []
-        problems = Problem(batch, 2048, 256, fp8=False, shortest=100), Problem(batch, 1074, 256, fp8=False)
-        for tile, warps, stages in tiles:
-            for p in problems:
-                cells.append(cell(time_us(p.triton(num_splits=1, kv_tile=tile, num_warps=warps, num_stages=stages)), p))
-        print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
-        del problems
-        torch.cuda.empty_cache()
-
-
 def sweep(args):
-    """Alternatives to the kernel's tuned choices, each beside the default, on the shapes that stress it
-    (`--sweep fp8`: the FP8 tiles across the table's shapes; `--sweep short`: bf16 tiles for short contexts)."""
+    """Alternatives to the kernel's tuned choices, each beside the default, on the shapes that stress it (the FP8
+    tiles at the table's shapes, bf16 tiles for short contexts, tiles at ragged contexts: `git show
+    a530cca:benchmarks/decode_attention.py`)."""
     fp16, bf16 = torch.float16, torch.bfloat16
-    named = {"fp8": fp8_tile_cases, "short": short_tile_cases}
-    cases = named[args.sweep]() if args.sweep in named else [  # (batch, context, fp8, overrides)
+    cases = [  # (batch, context, fp8, overrides)
         *[(256, 1024, True, dict(kv_tile=t, num_warps=w, num_stages=3, compute_dtype=c))
           for c in (fp16, bf16) for t, w in ((128, 4), (64, 4), (64, 2), (128, 8))],
         *[(b, c, False, dict(kv_tile=t, num_warps=w, num_stages=st)) for b, c in ((8, 16384), (32, 16384), (4, 4096))
@@ -244,9 +210,9 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--context", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--block-size", type=int, nargs="+", default=BLOCK_SIZES)
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "fp8", "short", "ragged", "ragged-tiles"],
-                        help="time the kernel's tile and split choices instead (fp8: the FP8 tiles at more shapes; "
-                             "ragged, ragged-tiles: splits and tiles at bench.py's ragged contexts, over --batch)")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "ragged"],
+                        help="time the kernel's tile and split choices instead (ragged: split counts at bench.py's "
+                             "ragged contexts, over --batch)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the cache of --sweep ragged")
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8], help="the split counts of --sweep ragged")
     parser.add_argument("--flush", choices=["read", "zero"], default=FLUSH,
@@ -254,8 +220,7 @@ def main():
     args = parser.parse_args()
     FLUSH = args.flush
     torch.manual_seed(0)
-    named = {"ragged": ragged, "ragged-tiles": ragged_tiles}
-    named.get(args.sweep, sweep if args.sweep else table)(args)
+    (ragged if args.sweep == "ragged" else sweep if args.sweep else table)(args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Registers, spilled bytes a thread (STACK) and SASS instructions of the skinny kernel's projections in Qwen3-0.6B's
 shapes, compiled for sm90 on any machine (no GPU: the CPU's Triton and its cuobjdump and nvdisasm), for the plan's
 tiles and any others. A tile whose registers spill reads and writes local memory at every use: the first thing to
-look at before a device call that times tiles (`step_variants.py` times them in the engine).
+look at before a device call that times tiles.
 
     python benchmarks/kernel_resources.py [--rows 16 32] [--shapes qkv ...] [--tile gate_up=64,256,8 ...]
 """
@@ -18,7 +18,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from step_variants import parse_variant  # noqa: E402  (this folder, as python runs a script)
 from nanovllm.layers import triton_skinny  # noqa: E402
 
 # name: (N, K, norm, gated, residual, rope), a dense layer's projections as a decode step runs them
@@ -56,14 +55,28 @@ def resources(name: str, block_m: int, tile: tuple[int, int, int]) -> str:
     return f"| {name} | {block_m} | {tile} | {regs} | {stack} | {instructions} |"
 
 
+def parse_tiles(items: list[str]) -> dict:
+    """["down=32,512,4", "qkv@32=64,128,8"] -> {"down": (32, 512, 4), "qkv@32": (64, 128, 8)}; a ValueError names
+    what is wrong."""
+    tiles = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        name, _, rows = key.partition("@")
+        numbers = tuple(int(v) for v in value.split(",")) if value else ()
+        if name not in SHAPES or rows not in ("", "16", "32") or len(numbers) != 3:
+            raise ValueError(f"{item!r}: NAME[@16 or @32]=block_n,block_k,warps, NAME one of {', '.join(SHAPES)}")
+        tiles[key] = numbers
+    return tiles
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32], help="block_m: 16 or 32")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tile", action="append", default=[],
-                        help="NAME[@ROWS]=block_n,block_k,warps, as step_variants takes it")
+                        help="NAME[@ROWS]=block_n,block_k,warps: a tile beside the plan's (ROWS: 16 or 32)")
     args = parser.parse_args()
-    extra = parse_variant(" ".join(args.tile))
+    extra = parse_tiles(args.tile)
     print("| projection | rows | tile | registers | stack bytes | SASS instructions |")
     print("| --- | ---: | --- | ---: | ---: | ---: |")
     for name in args.shapes:

@@ -21,42 +21,14 @@ def test_chain_charges_each_kernel_what_it_adds_to_the_critical_path():
     assert [name for name, *_ in chain(spans, steps=2)] == ["qkv", "attn", "gemm", "merge"]
 
 
-def test_step_variants_reads_its_variants_and_names_each_projection():
-    """A variant's settings and tiles parse, a wrong one is an error naming it before any engine starts, and the
-    plan's calls are told apart as Qwen3-0.6B's (K 1024 for qkv and gate/up, 2048 for o_proj, 3072 for down)."""
+def test_kernel_resources_reads_its_tiles():
+    """A tile beside the plan's parses, for every row count or one; a wrong one is an error naming it."""
     import pytest
-    from step_variants import parse_variant, projection
-    assert parse_variant("") == {}
-    assert parse_variant("split=64  down=32,512,4 qkv@32=64,128,8") == \
-        {"split": 64, "down": (32, 512, 4), "qkv@32": (64, 128, 8)}
-    for bad in ("spilt=64", "down=32,512", "split=64,1", "qkv", "split@32=64", "qkv@8=64,128,8"):
-        with pytest.raises(ValueError, match=bad.split("=")[0]):
-            parse_variant(bad)
-    assert [projection(k, gated, head_dim, 3072) for k, gated, head_dim in
-            [(1024, False, 128), (2048, False, 0), (1024, True, 0), (3072, False, 0)]] == \
-        ["qkv", "o_proj", "gate_up", "down"]
-
-
-def test_step_variants_sets_what_the_engine_reads(monkeypatch):
-    """A variant reaches the decode kernel's split lengths and the skinny kernel's plan, which read them at call
-    time; the projections it does not name keep their tuned tiles."""
-    from nanovllm.layers import triton_attention, triton_skinny
-    from step_variants import apply
-    for name in ("MIN_SPLIT_TOKENS_TILE_MERGE", "MIN_SPLIT_TOKENS", "SPLIT_TARGET_PROGRAMS_PER_SM",
-                 "KV_PREFETCH_TILES", "decode_splits"):
-        monkeypatch.setattr(triton_attention, name, getattr(triton_attention, name))
-    monkeypatch.setattr(triton_skinny, "plan", triton_skinny.plan)
-    o_proj = triton_skinny.plan(16, 2048, False)
-    gate_up = triton_skinny.plan(16, 1024, True)
-    apply({"split": 32, "min_split": 96, "down": (16, 256, 4), "gate_up@32": (64, 256, 8)}, intermediate_size=3072)
-    assert (triton_attention.MIN_SPLIT_TOKENS_TILE_MERGE, triton_attention.MIN_SPLIT_TOKENS) == (32, 96)
-    assert triton_skinny.plan(16, 3072, False) == triton_skinny.plan(32, 3072, False) == (16, 256, 4)
-    assert triton_skinny.plan(16, 2048, False) == o_proj
-    assert (triton_skinny.plan(16, 1024, True), triton_skinny.plan(32, 1024, True)) == (gate_up, (64, 256, 8))
-    # a setting by the cache's bytes an element takes the value for each; `splits` only where the heuristic splits
-    apply({"target": 5, "prefetch": 0, "splits": 3}, intermediate_size=3072)
-    assert triton_attention.SPLIT_TARGET_PROGRAMS_PER_SM == {2: 5, 1: 5} and triton_attention.KV_PREFETCH_TILES == 0
-    assert [triton_attention.decode_splits(batch, 8, 132, 1) for batch in (1, 8, 48, 64)] == [3, 3, 3, 1]
+    from kernel_resources import parse_tiles
+    assert parse_tiles(["down=32,512,4", "qkv@32=64,128,8"]) == {"down": (32, 512, 4), "qkv@32": (64, 128, 8)}
+    for bad in ("dwn=32,512,4", "down=32,512", "down@8=32,512,4", "down"):
+        with pytest.raises(ValueError, match=bad):
+            parse_tiles([bad])
 
 
 def test_latency_names_its_runs_and_splits_first_tokens_and_device_time():
