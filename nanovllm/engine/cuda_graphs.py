@@ -9,9 +9,9 @@ KV (slot -1), read one slot of block 0 and sample greedily. A graph records, on 
   replay yields the sampled ids, and the next replay reads its pending tokens from there without a copy.
 The host fills every static input (ids, positions, slots, pending rows, context lengths, temperatures, block
 tables) with one host-to-device copy: they are views of one device buffer, laid out as its pinned mirror.
-Where the attention backend plans a decode step of short contexts more cheaply (`context_bounds`: the Triton
-decode kernel's fewer splits), a batch size also has a graph for each such bound on its longest context (the
-metadata's max_seqlen_k), and a replay takes the one of the smallest bound that holds the step's contexts.
+Where the backend runs short contexts more cheaply (`context_bounds`: the Triton decode kernel's fewer splits), a
+batch size also has a graph per bound on the longest context (the metadata's max_seqlen_k); a replay takes the
+smallest bound that holds the step's contexts.
 """
 import numpy as np
 import torch

@@ -57,10 +57,9 @@ ONE_WAVE_PROGRAMS_PER_SM = 4
 # (decode notes, run 13)
 FP8_DEEP_PROGRAMS_PER_SM = 10
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
-# where the host knows a batch's longest context (`decode_splits`' max_context), it takes no more splits than the
-# power of two >= context / MIN_SPLIT_TOKENS, when that is at most this many: no program of an empty split starts,
-# and a batch of contexts up to MIN_SPLIT_TOKENS needs no merge (H200, 1-32 sequences at contexts of 64-2,048: 8 x
-# 128 12.9 -> 8.3 us, 1 x 1,024 12.4 -> 10.7, FP8 4 x 700 16.0 -> 11.9; past 16, 32 splits of 1 x 4,096 lost 1.4 us).
+# where the host bounds a batch's contexts (`decode_splits`' max_context), no more splits than the power of two >=
+# bound / MIN_SPLIT_TOKENS, when that is at most this many: no program of an empty split starts, and contexts of up
+# to MIN_SPLIT_TOKENS need no merge (8 x 128: 12.9 -> 8.3 us; past 16 it lost: decode notes, run 17).
 # NANOVLLM_SHORT_CONTEXT_SPLITS=0 turns it off, for comparison
 SHORT_CONTEXT_SPLITS = int(os.environ.get("NANOVLLM_SHORT_CONTEXT_SPLITS", 16))
 # and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
