@@ -648,7 +648,7 @@ def test_decode_context_bounds_are_where_the_splits_fall():
 
 def test_decode_of_short_contexts_needs_no_merge(merge_launches):
     """A batch whose contexts fit one split, told so (`max_context`), runs unsplit: no merge launches; told a
-    bound of 300 it takes 4 splits, told none its own (64 on 132 SMs); the output is right each time."""
+    bound of 300 it takes 4 splits, told none its own; the output is right each time."""
     contexts = [100, 37, 128]
     q, k, v, caches, meta = make_case([1] * 3, contexts, 4, 2, 64, 16, False, seed=15)
     expected = reference(q, k, v, caches, meta, False)
