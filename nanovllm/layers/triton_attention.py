@@ -587,7 +587,7 @@ class TritonBackend(AttentionBackend):
     """Triton for every step: the split-KV decode kernel for decode-only steps, the varlen path otherwise.
     Reads model-dtype and FP8 caches; runs on any CUDA GPU that Triton supports."""
     name = "triton"
-    supports_cuda_graphs = True  # decode reads only device tensors and integers fixed per batch size
+    supports_cuda_graphs = True  # decode reads only device tensors and integers fixed per graph
     supports_fp8_kv = True
     fuses_rope_store = True
     varlen_graph_tokens = 1 << 30
