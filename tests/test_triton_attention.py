@@ -784,7 +784,7 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
         constexprs.update(QUERY_TILE=1, ROWS=16, KV_TILE=tile, BLOCK_SIZE=256, LINES=128 // line, LINE_ELEMENTS=line,
                           PREFETCH=triton_attention.KV_PREFETCH_TILES if split else 0)
     else:  # 64 rows of 32 tokens x 2 heads; a warm-up run (not paged) reads its own keys with a block size of 16
-        warps, stages = 4, 2
+        warps, stages = triton_attention.VARLEN_WARPS, triton_attention.VARLEN_STAGES
         constexprs.update(QUERY_TILE=32, ROWS=64, KV_TILE=64, BLOCK_SIZE=256 if paged else 16)
     return ("nanovllm.layers.triton_attention", "_attention_kernel", signature, constexprs,
             dict(num_warps=warps, num_stages=stages))

@@ -74,9 +74,11 @@ PER_THREAD_SPLITS = 32
 KV_PREFETCH_TILES = int(os.environ.get("NANOVLLM_KV_PREFETCH", 2))
 # varlen: query rows (tokens x heads of one KV head) a program, keys an iteration (halved past head_dim 128), warps and
 # pipeline stages: no other of 10 tiles was faster in sum over prompts of 100-900 tokens, alone and beside decodes.
+# 3 stages (two tiles in flight, as the carried block id allows) over 2: 6-22% faster from 384 prompt tokens on
+# (1,024: 27.1 -> 24.3 us a layer, beside 12 decodes 41.3 -> 34.2), within 5% either way below (session 51).
 # NANOVLLM_VARLEN_TILE="rows,keys,warps,stages" overrides them, for comparison
 QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.get("NANOVLLM_VARLEN_TILE",
-                                                                                   "64,64,4,2").split(","))
+                                                                                   "64,64,4,3").split(","))
 # a varlen step of up to VARLEN_SPLIT_TOKENS tokens in a CUDA graph (`varlen_graphs.py`) splits the keys of each
 # decode among its first VARLEN_SPLIT_SEQS sequences into this many chunks (of MIN_SPLIT_TOKENS at least), merged
 # by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
