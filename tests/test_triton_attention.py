@@ -638,8 +638,8 @@ def test_decode_context_bounds_are_where_the_splits_fall():
     sms, bounds = 132, triton_attention.decode_context_bounds
     assert bounds(1, 8, sms) == [128, 256, 512, 1024, 2048]
     assert bounds(8, 8, sms) == [128, 256, 512]
-    assert bounds(32, 8, sms) == [128] and bounds(32, 8, sms, 1) == [128, 256]  # (2 splits; FP8: 3)
-    assert bounds(33, 8, sms) == bounds(256, 8, sms) == []
+    assert bounds(24, 8, sms) == [128] and bounds(32, 8, sms, 1) == [128, 256]  # (2 splits; FP8 at 32: 3)
+    assert bounds(32, 8, sms) == bounds(256, 8, sms) == []
     for batch in (1, 2, 4, 8, 16, 32):
         counts = [triton_attention.decode_splits(batch, 8, sms, max_context=b)
                   for b in (*bounds(batch, 8, sms), 1 << 20)]
@@ -678,27 +678,29 @@ def test_steps_tell_the_decode_kernel_their_longest_context(monkeypatch):
 
 @pytest.mark.parametrize("itemsize", [2, 1])
 def test_decode_splits_only_below_their_programs_per_sm(itemsize):
-    """The boundary of the split heuristic: batch x kv_heads programs of exactly SPLIT_BELOW_PROGRAMS_PER_SM per SM
-    (2 over bf16, 3 over FP8) fill the GPU (1 split); one program fewer splits, in 2 at least."""
+    """The boundary of the split heuristic: batch x kv_heads programs of SPLIT_BELOW_PROGRAMS_PER_SM per SM (1.8
+    over bf16, 3 over FP8), rounded up, fill the GPU (1 split); one program fewer splits, in 2 at least. On an
+    H200's 132 SMs, 32 sequences of 8 KV heads run unsplit over bf16, 29 split."""
     sms = 132
-    full = triton_attention.SPLIT_BELOW_PROGRAMS_PER_SM[itemsize] * sms
-    assert full % 4 == 0
-    assert triton_attention.decode_splits(full // 4, 4, sms, itemsize) == 1
+    full = math.ceil(triton_attention.SPLIT_BELOW_PROGRAMS_PER_SM[itemsize] * sms)
+    assert triton_attention.decode_splits(-(-full // 4), 4, sms, itemsize) == 1
     assert triton_attention.decode_splits(full, 1, sms, itemsize) == 1
     assert triton_attention.decode_splits(full - 1, 1, sms, itemsize) >= 2
+    if itemsize == 2:
+        assert triton_attention.decode_splits(32, 8, sms) == 1 < triton_attention.decode_splits(29, 8, sms)
 
 
 def test_fp8_decode_splits_fill_an_sm_of_its_programs():
     """Over FP8 (sessions 30 and 34, on an H200) 48 sequences of 8 KV heads split in 2, as over bf16 they do not,
     and a split batch aims at 6 programs an SM where bf16's aims at 4 (24 sequences: 4 splits, not 2; 32: 3); a
-    float32 cache splits as bf16 does."""
+    float32 cache splits as bf16 does (32 sequences: unsplit)."""
     sms = 132
     assert triton_attention.decode_splits(48, 8, sms, 1) == 2
     assert triton_attention.decode_splits(48, 8, sms, 2) == 1
     assert triton_attention.decode_splits(48, 8, sms, 4) == 1
     assert triton_attention.decode_splits(24, 8, sms, 1) == 4
     assert triton_attention.decode_splits(32, 8, sms, 1) == 3
-    assert triton_attention.decode_splits(32, 8, sms, 2) == triton_attention.decode_splits(32, 8, sms, 4) == 2
+    assert triton_attention.decode_splits(32, 8, sms, 2) == triton_attention.decode_splits(32, 8, sms, 4) == 1
     for batch in (2, 8, 16, 24, 32, 40):
         splits = triton_attention.decode_splits(batch, 8, sms, 1)
         assert 4 * sms < batch * 8 * splits <= 6 * sms and splits <= triton_attention.MAX_SPLITS

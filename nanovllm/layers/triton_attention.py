@@ -44,8 +44,9 @@ LOG2E = 1.4426950408889634
 # The choices below were measured on an H200 (each with its figures: `git show 06056d3:nanovllm/layers/
 # triton_attention.py`, lines 43-97, and benchmarks/decode_attention_notes.md). Split decode when batch x kv_heads
 # programs are fewer than this many an SM, by the cache's bytes an element (over FP8, whose SM holds 6 programs
-# where bf16's holds 4, 33-49 sequences split in 2 too)
-SPLIT_BELOW_PROGRAMS_PER_SM = {2: 2, 1: 3}
+# where bf16's holds 4, 33-49 sequences split in 2 too; bf16's 32 of 8 KV heads, 1.94 an SM, ran 1.3-8% faster
+# unsplit than in 2 splits at 1k-16k keys, 24 split faster from 4k on: session 51)
+SPLIT_BELOW_PROGRAMS_PER_SM = {2: 1.8, 1: 3}
 # and then make about this many, 2 splits at least (more loses to the tail); over FP8 6, an SM's worth of its
 # programs (steps of 8-32 sequences faster, 4 slower; bf16's lost with 6)
 SPLIT_TARGET_PROGRAMS_PER_SM = {2: 4, 1: 6}
