@@ -88,7 +88,7 @@ def test_skinny_matches_the_unfused_layers(m, n, k, block_k, bias, norm, gated, 
 
 def test_plan_covers_every_k():
     """Whatever the shape, the plan's blocks tile K with power-of-two blocks that `tl.dot` takes (its choices
-    are timings: benchmarks/skinny_gemm.py --sweep)."""
+    are timings: `git show 34b7da6:benchmarks/skinny_gemm.py` --sweep)."""
     for block_m, k, gated in [(16, 1024, False), (32, 3072, False), (16, 3072, False), (16, 1024, True), (32, 64, True),
                               (16, 17, False)]:
         block_n, block_k, warps = triton_skinny.plan(block_m, k, gated)

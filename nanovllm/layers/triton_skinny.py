@@ -25,8 +25,8 @@ where a small step's GPU otherwise idles. Every program waits before it stores a
 kernel still ends after the one before it (and all earlier ones) did. The attention kernels and the fused rope
 and store take part in the same way.
 
-On the H200, in Qwen3-0.6B's shapes (`benchmarks/skinny_gemm.py`), cuBLAS reads the weights of these small
-products slowly (o_proj 5.8-6.1 us a layer at 8-32 rows for 4 MB that need 1 us at copy bandwidth).
+On the H200, in Qwen3-0.6B's shapes (`git show 34b7da6:benchmarks/skinny_gemm.py`), cuBLAS reads the weights of
+these small products slowly (o_proj 5.8-6.1 us a layer at 8-32 rows for 4 MB that need 1 us at copy bandwidth).
 NANOVLLM_SKINNY_GEMM=0 turns the kernel off, NANOVLLM_SKINNY_ROPE=0 its rope and store (then a kernel of its own),
 NANOVLLM_PDL=0 the dependent launches, for comparison.
 """
@@ -237,7 +237,7 @@ def norm_parts(parts: int, block_m: int, normed: bool = True) -> int:
 
 
 def plan(block_m: int, k: int, gated: bool, head_dim: int = 0) -> tuple[int, int, int]:
-    """(block_n, block_k, num_warps), the fastest tiles of `benchmarks/skinny_gemm.py --sweep` on an H200 in
+    """(block_n, block_k, num_warps), the fastest tiles of `skinny_gemm.py --sweep` (in git at 34b7da6) on an H200 in
     Qwen3-0.6B's shapes (K 1024 for qkv and gate/up, 2048 for o_proj, 3072 for down) at 16 and 32 rows, but for
     K above 2048 (down there) at up to 16 rows, timed in the engine's decode steps instead: twice the programs (192)
     of half the weights took batch 1 from 0.858 to 0.807 ms a step (32 rows: 0.4% slower, so they keep theirs). With
