@@ -74,9 +74,9 @@ PER_THREAD_SPLITS = 32
 # bandwidth for the previous kernel. NANOVLLM_KV_PREFETCH overrides it
 KV_PREFETCH_TILES = int(os.environ.get("NANOVLLM_KV_PREFETCH", 2))
 # varlen: query rows (tokens x heads of one KV head) a program, keys an iteration (halved past head_dim 128), warps and
-# pipeline stages: no other of 10 tiles was faster in sum over prompts of 100-900 tokens, alone and beside decodes.
-# 3 stages (two tiles in flight, as the carried block id allows) over 2: 6-22% faster from 384 prompt tokens on
-# (1,024: 27.1 -> 24.3 us a layer, beside 12 decodes 41.3 -> 34.2), within 5% either way below (session 51).
+# pipeline stages: no other rows, keys or warps of 10 tiles were faster in sum over prompts of 100-900 tokens, alone
+# and beside decodes (session 33); 3 stages (two tiles in flight, as the carried block id allows) over 2: 6-22%
+# faster from 384 prompt tokens on (1,024: 27.1 -> 24.3 us a layer), within 5% either way below (session 51).
 # NANOVLLM_VARLEN_TILE="rows,keys,warps,stages" overrides them, for comparison
 QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.get("NANOVLLM_VARLEN_TILE",
                                                                                    "64,64,4,3").split(","))
