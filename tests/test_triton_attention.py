@@ -199,6 +199,29 @@ def test_fp8_decode_takes_deep_tiles_from_its_programs_per_sm(monkeypatch):
     assert asked == [(64, 2, 3), (128, 4, 2), (64, 2, 2)]
 
 
+def test_decode_keeps_one_tile_in_flight_where_contexts_are_bounded_to_two_tiles(monkeypatch):
+    """A deep unsplit batch keeps two tiles in flight (3 stages), but where the host bounds its contexts to at most
+    two tiles, one (2 stages: no third buffer to fill); in bf16 and over FP8's chunked values. decode_attention
+    hands its max_context to decode_tile, and the output stays right."""
+    for itemsize, v_chunk, tile, warps in ((2, 0, 64, 4), (1, 64, 64, 2)):
+        for bound, stages in ((0, 3), (1, 2), (2 * tile, 2), (2 * tile + 1, 3), (4096, 3)):
+            assert triton_attention.decode_tile(128, itemsize, False, 256, v_chunk, False, 31.0, bound) == \
+                (tile, warps, stages)
+    tile = triton_attention.decode_tile(64, 4)[0]  # float32 (the interpreter's): 32 keys
+    asked = []
+    decode_tile = triton_attention.decode_tile
+    monkeypatch.setattr(triton_attention, "decode_tile", lambda *a: asked.append(decode_tile(*a)) or asked[-1])
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 1)  # 6 x 2 programs: unsplit, past one wave
+    q, k, v, caches, meta = make_case([1] * 6, [9, 64, 30, 1, 64, 50], 4, 2, 64, 128, False, seed=18)
+    expected = reference(q, k, v, caches, meta, False)
+    q, k, v, caches = to_device(q, k, v, caches, torch.float32)
+    for bound in (2 * tile, 2 * tile + 1, 0):
+        out = triton_attention.decode_attention(q, *caches, meta.block_tables, meta.context_lens, 0.125,
+                                                max_context=bound)
+        assert_close(out, expected, torch.float32)
+    assert [stages for *_, stages in asked] == [2, 3, 3]
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_of_an_empty_context_writes_zeros(splits, monkeypatch):
     """A row of context 0 (a decode graph's padding row) gets zeros, written by its first split, and the other rows

@@ -337,7 +337,8 @@ def decode_context_bounds(batch: int, num_kv_heads: int, num_sms: int, kv_itemsi
 
 
 def decode_tile(head_dim: int, kv_itemsize: int, split: bool = False, block_size: int = 0,
-                v_chunk: int = 0, one_wave: bool = False, programs_per_sm: float = 0.0) -> tuple[int, int, int]:
+                v_chunk: int = 0, one_wave: bool = False, programs_per_sm: float = 0.0,
+                max_context: int = 0) -> tuple[int, int, int]:
     """(keys per iteration, warps, pipeline stages) of the decode kernel, tuned on an H200 at head_dim 128: 16 KB
     of keys an iteration, 4 warps. Over FP8 64 keys and 2 warps (8-30% faster than 128 keys and 4 warps at each of 7
     shapes, when its values were laid out as its keys); with chunked values (`value_chunk`) an unsplit batch takes
@@ -345,7 +346,9 @@ def decode_tile(head_dim: int, kv_itemsize: int, split: bool = False, block_size
     `one_wave` (ONE_WAVE_PROGRAMS_PER_SM): over a 16-bit cache 128 keys an iteration (run 12).
     Two tiles in flight (3 stages where a block holds whole tiles: the kernel carries their block ids) pay for an
     unsplit batch past one wave (over FP8 from FP8_DEEP_PROGRAMS_PER_SM programs an SM on, 64-key tiles on 2 warps);
-    elsewhere one (2 stages; run 13). Where tiles cross blocks, one tile is in flight whatever the stages (3)."""
+    elsewhere one (2 stages; run 13), and where the host bounds the contexts (`max_context`, 0: no bound) to at most
+    two tiles, which fill no third buffer (session 52, us, bf16 / FP8: 512 x 128 72.4 -> 69.2 / 44.1 -> 42.9, 128 x
+    128 24.5 -> 22.8 / 19.4 -> 18.2; 512 x 256 even). Where tiles cross blocks, one tile is in flight whatever the stages (3)."""
     deep = not split and not one_wave
     if kv_itemsize == 1:
         if v_chunk and head_dim <= 128 and not split and block_size % 128 == 0:
@@ -357,6 +360,7 @@ def decode_tile(head_dim: int, kv_itemsize: int, split: bool = False, block_size
         tile, warps = 128, 4
     else:
         tile, warps = 64 * 2 // kv_itemsize // (1 if head_dim <= 128 else 2), 4
+    deep = deep and not 0 < max_context <= 2 * tile
     return tile, warps, 3 if deep or not block_size or block_size % tile else 2
 
 
@@ -408,7 +412,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v_chunk = value_chunk(v_cache)
     one_wave = num_splits == 1 and batch * kv_heads <= ONE_WAVE_PROGRAMS_PER_SM * sms
     tile, warps, stages = decode_tile(head_dim, itemsize, num_splits > 1, block_size, v_chunk, one_wave,
-                                      batch * kv_heads / sms)
+                                      batch * kv_heads / sms, max_context)
     tile, warps, stages = kv_tile or tile, num_warps or warps, num_stages or stages
     assert not v_chunk or block_size % tile == 0, "a tile of a chunked value cache lies in one block"
     if out is None:
