@@ -18,6 +18,7 @@ from nanovllm.engine import varlen_graphs as varlen_graphs_module
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.staging import Staging
 from nanovllm.engine.step_inputs import step_inputs
+from nanovllm.engine.piecewise_graphs import MAX_TOKENS
 from nanovllm.engine.varlen_graphs import FINE_FROM, FINE_STEP, VarlenGraphs, graph_sizes
 from nanovllm.layers import triton_attention
 from nanovllm.layers.triton_attention import max_varlen_tiles, varlen_tile_map
@@ -62,6 +63,15 @@ def test_graph_sizes_cover_every_step_with_little_padding(max_tokens):
     for n in range(1, max_tokens + 1, 7):
         padding = next(size for size in sizes if size >= n) - n
         assert padding < (FINE_STEP if n > FINE_FROM else max(8, n // 2 + 1)), (n, padding)
+
+
+def test_every_graph_splits_its_decodes():
+    """Every varlen graph, up to the largest (piecewise_graphs.MAX_TOKENS tokens), gives each decode among its first
+    VARLEN_SPLIT_SEQS sequences VARLEN_DECODE_SPLITS programs: beside a prompt of hundreds of tokens an unsplit
+    decode was the step's longest program (VARLEN_SPLIT_TOKENS)."""
+    sizes = graph_sizes(MAX_TOKENS)
+    assert max(sizes) == MAX_TOKENS and triton_attention.VARLEN_DECODE_SPLITS > 1
+    assert [VarlenGraphs.splits(size) for size in sizes] == [triton_attention.VARLEN_DECODE_SPLITS] * len(sizes)
 
 
 def test_tile_map_refuses_too_few_rows():

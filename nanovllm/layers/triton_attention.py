@@ -84,10 +84,14 @@ QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.ge
 # decode among its first VARLEN_SPLIT_SEQS sequences into this many chunks (of MIN_SPLIT_TOKENS at least), merged
 # by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
 # The grid has room for every split of every sequence that may take them, and a program of an empty row still
-# costs its start. NANOVLLM_VARLEN_SPLITS and NANOVLLM_VARLEN_SPLIT_TOKENS override them (splits 1: unsplit)
+# costs its start. 2,048 is every graph's (piecewise_graphs.MAX_TOKENS): with the varlen kernel's 3 stages, a prompt's
+# tiles end before an unsplit decode of ~600 keys beside them (latency.py, H200, session 52, graphs of up to 384
+# tokens split -> all: device work of a mixed step with prompt tokens p50 2.77-3.09 -> 2.60-2.88 ms, 1.07-1.12x ->
+# 0.99-1.06x prefill-first's prompt steps in the same run, 3 and 4 runs; a prompt alone no slower; TTFT within noise).
+# NANOVLLM_VARLEN_SPLITS and NANOVLLM_VARLEN_SPLIT_TOKENS override them (splits 1: unsplit)
 VARLEN_DECODE_SPLITS = int(os.environ.get("NANOVLLM_VARLEN_SPLITS", 4))
 VARLEN_SPLIT_SEQS = 16
-VARLEN_SPLIT_TOKENS = int(os.environ.get("NANOVLLM_VARLEN_SPLIT_TOKENS", 384))
+VARLEN_SPLIT_TOKENS = int(os.environ.get("NANOVLLM_VARLEN_SPLIT_TOKENS", 2048))
 # a mixed step with at least this many leading decodes attends them with the decode kernel (0: never);
 # NANOVLLM_SPLIT_DECODES overrides it, for comparison
 SPLIT_DECODES = int(os.environ.get("NANOVLLM_SPLIT_DECODES", 32))
