@@ -66,9 +66,7 @@ def test_graph_sizes_cover_every_step_with_little_padding(max_tokens):
 
 
 def test_every_graph_splits_its_decodes():
-    """Every varlen graph, up to the largest (piecewise_graphs.MAX_TOKENS tokens), gives each decode among its first
-    VARLEN_SPLIT_SEQS sequences VARLEN_DECODE_SPLITS programs: beside a prompt of hundreds of tokens an unsplit
-    decode was the step's longest program (VARLEN_SPLIT_TOKENS)."""
+    """Every varlen graph, up to piecewise_graphs.MAX_TOKENS tokens, splits its decodes (VARLEN_SPLIT_TOKENS)."""
     sizes = graph_sizes(MAX_TOKENS)
     assert max(sizes) == MAX_TOKENS and triton_attention.VARLEN_DECODE_SPLITS > 1
     assert [VarlenGraphs.splits(size) for size in sizes] == [triton_attention.VARLEN_DECODE_SPLITS] * len(sizes)

@@ -84,10 +84,9 @@ QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.ge
 # decode among its first VARLEN_SPLIT_SEQS sequences into this many chunks (of MIN_SPLIT_TOKENS at least), merged
 # by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
 # The grid has room for every split of every sequence that may take them, and a program of an empty row still
-# costs its start. 2,048 is every graph's (piecewise_graphs.MAX_TOKENS): with the varlen kernel's 3 stages, a prompt's
-# tiles end before an unsplit decode of ~600 keys beside them (latency.py, H200, session 52, graphs of up to 384
-# tokens split -> all: device work of a mixed step with prompt tokens p50 2.77-3.09 -> 2.60-2.88 ms, 1.07-1.12x ->
-# 0.99-1.06x prefill-first's prompt steps in the same run, 3 and 4 runs; a prompt alone no slower; TTFT within noise).
+# costs its start. 2,048 covers every graph (piecewise_graphs.MAX_TOKENS): split in all, not only those of up to 384
+# tokens, latency.py's mixed steps with prompt tokens took 0.99-1.06x prefill-first's device work, not 1.07-1.12x,
+# and a prompt alone no more (session 52).
 # NANOVLLM_VARLEN_SPLITS and NANOVLLM_VARLEN_SPLIT_TOKENS override them (splits 1: unsplit)
 VARLEN_DECODE_SPLITS = int(os.environ.get("NANOVLLM_VARLEN_SPLITS", 4))
 VARLEN_SPLIT_SEQS = 16
