@@ -44,6 +44,9 @@ def make_case(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block
     used[block_tables[block_tables >= 0].long()] = True
     for cache in caches:
         cache[~used] = float("nan")  # a block outside every table must never be read
+    for table, context in zip(block_tables, context_lens):  # keys past a context, in its last block, are read
+        last = table[(context - 1) // block_size].long()  # (a tile in one block) but must weigh nothing
+        caches[0][last, (context - 1) % block_size + 1:] = float("nan")
     if kv_fp8:  # the values laid out as the engine's cache holds them (chunked where `value_chunk` says)
         caches = [quantize_kv(c, s, FP8_DTYPE) for c, s in zip(caches, (K_SCALE, V_SCALE))]
         caches[1] = values_as_cache(caches[1])

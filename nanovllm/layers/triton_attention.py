@@ -214,22 +214,30 @@ if triton is not None:
         ONE_BLOCK: tl.constexpr = PAGED and BLOCK_SIZE % KV_TILE == 0
         if ONE_BLOCK:
             next_block = tl.load(block_row + key_begin // BLOCK_SIZE, mask=key_begin < key_end, other=0).to(tl.int64)
+            # (a paged cache's strides, known at compile time: the keys of a tile at constant offsets from one base)
+            tile_offsets = tl.arange(0, KV_TILE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + dims[None, :]
         for start in range(key_begin, key_end, KV_TILE):
             key_pos = start + tl.arange(0, KV_TILE)
             key_valid = key_pos < key_end
-            if ONE_BLOCK:
+            kv_mask = key_valid[:, None] & dim_valid[None, :]
+            if ONE_BLOCK:  # the tile's keys are consecutive rows of its block
                 block = next_block
                 next_block = tl.load(block_row + (start + KV_TILE) // BLOCK_SIZE, mask=start + KV_TILE < key_end,
                                      other=0).to(tl.int64)
-                kv_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
-            elif PAGED:
-                block = tl.load(block_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-                kv_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
+                kv_base = ((block * BLOCK_SIZE + start % BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
+                k_tile, v_tile = k_ptr + kv_base + tile_offsets, v_ptr + kv_base + tile_offsets
             else:
-                kv_row = (q_begin + key_pos).to(tl.int64)
-            offsets = kv_row[:, None] * kv_token_stride + kv_head * kv_head_stride + dims[None, :]
-            kv_mask = key_valid[:, None] & dim_valid[None, :]
-            k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+                if PAGED:
+                    block = tl.load(block_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+                    kv_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
+                else:
+                    kv_row = (q_begin + key_pos).to(tl.int64)
+                offsets = kv_row[:, None] * kv_token_stride + kv_head * kv_head_stride + dims[None, :]
+                k_tile, v_tile = k_ptr + offsets, v_ptr + offsets
+            if ONE_BLOCK:  # keys past the context are other keys of the block, whose scores are masked below
+                k = tl.load(k_tile, mask=dim_valid[None, :], other=0.0).to(COMPUTE_DTYPE)
+            else:
+                k = tl.load(k_tile, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
             if V_CHUNK:  # [chunk, dim, key of the chunk] (`value_chunk`), the tile inside one block: rows of V_CHUNK
                 # keys, which load as the keys' rows of dims do. Past the context they read the block's other keys,
                 # finite (the cache starts zeroed, the store saturates), which p weighs 0
@@ -238,7 +246,7 @@ if triton is not None:
                     in_block[:, None] + dims[None, :] * V_CHUNK
                 v = tl.load(v_ptr + v_offsets).to(COMPUTE_DTYPE)
             else:
-                v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+                v = tl.load(v_tile, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(key_pos[None, :] <= q_pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
