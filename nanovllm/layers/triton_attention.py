@@ -43,9 +43,8 @@ MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 # The choices below were measured on an H200 (each with its figures: `git show 06056d3:nanovllm/layers/
 # triton_attention.py`, lines 43-97, and benchmarks/decode_attention_notes.md). Split decode when batch x kv_heads
-# programs are fewer than this many an SM, by the cache's bytes an element (over FP8, whose SM holds 6 programs
-# where bf16's holds 4, 33-49 sequences split in 2 too; bf16's 32 of 8 KV heads, 1.94 an SM, ran 1.3-8% faster
-# unsplit than in 2 splits at 1k-16k keys, 24 split faster from 4k on: session 51)
+# programs are fewer than this many an SM, by the cache's bytes an element (FP8's SM holds 6 programs where bf16's
+# holds 4; bf16's 32 sequences of 8 KV heads ran faster unsplit, 24 split: session 51)
 SPLIT_BELOW_PROGRAMS_PER_SM = {2: 1.8, 1: 3}
 # and then make about this many, 2 splits at least (more loses to the tail); over FP8 6, an SM's worth of its
 # programs (steps of 8-32 sequences faster, 4 slower; bf16's lost with 6)
@@ -74,19 +73,16 @@ PER_THREAD_SPLITS = 32
 # bandwidth for the previous kernel. NANOVLLM_KV_PREFETCH overrides it
 KV_PREFETCH_TILES = int(os.environ.get("NANOVLLM_KV_PREFETCH", 2))
 # varlen: query rows (tokens x heads of one KV head) a program, keys an iteration (halved past head_dim 128), warps and
-# pipeline stages: no other rows, keys or warps of 10 tiles were faster in sum over prompts of 100-900 tokens, alone
-# and beside decodes (session 33); 3 stages (two tiles in flight, as the carried block id allows) over 2: 6-22%
-# faster from 384 prompt tokens on (1,024: 27.1 -> 24.3 us a layer), within 5% either way below (session 51).
-# NANOVLLM_VARLEN_TILE="rows,keys,warps,stages" overrides them, for comparison
+# pipeline stages (3: two tiles in flight, as the carried block id allows), the fastest of sessions 33 and 51's
+# sweeps (benchmarks/HISTORY.md). NANOVLLM_VARLEN_TILE="rows,keys,warps,stages" overrides them, for comparison
 QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.get("NANOVLLM_VARLEN_TILE",
                                                                                    "64,64,4,3").split(","))
 # a varlen step of up to VARLEN_SPLIT_TOKENS tokens in a CUDA graph (`varlen_graphs.py`) splits the keys of each
 # decode among its first VARLEN_SPLIT_SEQS sequences into this many chunks (of MIN_SPLIT_TOKENS at least), merged
 # by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
 # The grid has room for every split of every sequence that may take them, and a program of an empty row still
-# costs its start. 2,048 covers every graph (piecewise_graphs.MAX_TOKENS): split in all, not only those of up to 384
-# tokens, latency.py's mixed steps with prompt tokens took 0.99-1.06x prefill-first's device work, not 1.07-1.12x,
-# and a prompt alone no more (session 52).
+# costs its start. 2,048 covers every graph (piecewise_graphs.MAX_TOKENS): mixed steps' device work split in all
+# graphs, not only those of up to 384 tokens, was 0.99-1.06x prefill-first's, not 1.07-1.12x (session 52).
 # NANOVLLM_VARLEN_SPLITS and NANOVLLM_VARLEN_SPLIT_TOKENS override them (splits 1: unsplit)
 VARLEN_DECODE_SPLITS = int(os.environ.get("NANOVLLM_VARLEN_SPLITS", 4))
 VARLEN_SPLIT_SEQS = 16
