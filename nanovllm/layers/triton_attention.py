@@ -216,12 +216,14 @@ if triton is not None:
             key_pos = start + tl.arange(0, KV_TILE)
             key_valid = key_pos < key_end
             kv_mask = key_valid[:, None] & dim_valid[None, :]
-            if ONE_BLOCK:  # the tile's keys are consecutive rows of its block
+            if ONE_BLOCK:  # the tile's keys are consecutive rows of its block; those past the context are its
+                # other keys, loaded unmasked (their scores are masked below)
                 block = next_block
                 next_block = tl.load(block_row + (start + KV_TILE) // BLOCK_SIZE, mask=start + KV_TILE < key_end,
                                      other=0).to(tl.int64)
                 kv_base = ((block * BLOCK_SIZE + start % BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
-                k_tile, v_tile = k_ptr + kv_base + tile_offsets, v_ptr + kv_base + tile_offsets
+                k = tl.load(k_ptr + kv_base + tile_offsets, mask=dim_valid[None, :], other=0.0).to(COMPUTE_DTYPE)
+                v_tile = v_ptr + kv_base + tile_offsets
             else:
                 if PAGED:
                     block = tl.load(block_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
@@ -229,11 +231,8 @@ if triton is not None:
                 else:
                     kv_row = (q_begin + key_pos).to(tl.int64)
                 offsets = kv_row[:, None] * kv_token_stride + kv_head * kv_head_stride + dims[None, :]
-                k_tile, v_tile = k_ptr + offsets, v_ptr + offsets
-            if ONE_BLOCK:  # keys past the context are other keys of the block, whose scores are masked below
-                k = tl.load(k_tile, mask=dim_valid[None, :], other=0.0).to(COMPUTE_DTYPE)
-            else:
-                k = tl.load(k_tile, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+                k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+                v_tile = v_ptr + offsets
             if V_CHUNK:  # [chunk, dim, key of the chunk] (`value_chunk`), the tile inside one block: rows of V_CHUNK
                 # keys, which load as the keys' rows of dims do. Past the context they read the block's other keys,
                 # finite (the cache starts zeroed, the store saturates), which p weighs 0
