@@ -948,8 +948,9 @@ def test_engine_stores_large_steps_values_by_chunk(tmp_path, monkeypatch, enforc
                  kv_cache_dtype="fp8", enforce_eager=enforce_eager) as llm:
             outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                                    use_tqdm=False)
-            results.append(([o["token_ids"] for o in outputs], [layer.v_cache.clone() for layer in
-                                                                 llm.model_runner.attn_layers]))
+            layers = llm.model_runner.attn_layers
+            results.append(([o["token_ids"] for o in outputs],
+                            [cache.clone() for layer in layers for cache in (layer.k_cache, layer.v_cache)]))
         if above > 0:
             assert bool(calls) == enforce_eager and all(n > above for n in calls)
             calls.clear()
