@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from nanovllm.layers import attention
 from nanovllm.layers.attention import (FP8_DTYPE, VALUE_CHUNK, TorchBackend, quantize_kv, value_chunk,
                                       value_slots, values_as_cache)
 from tests.conftest import compile_for_sm90
@@ -923,15 +924,25 @@ def test_engine_built_on_the_triton_backend_matches_hf(tmp_path, monkeypatch):
     assert decodes
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False] if DEVICE.type == "cuda" else [True])
-def test_engine_stores_large_steps_values_by_chunk(tmp_path, monkeypatch, enforce_eager):
+def test_values_by_chunk_only_above_every_graph():
+    """Steps of more tokens than any graph holds, into a chunked cache, store their values by chunk; no other."""
+    from nanovllm.engine.piecewise_graphs import MAX_TOKENS
+    chunked = torch.empty(1, VALUE_CHUNK, 1, 8, dtype=FP8_DTYPE)
+    assert attention.VALUES_BY_CHUNK_ABOVE >= MAX_TOKENS and value_chunk(chunked)
+    above = attention.VALUES_BY_CHUNK_ABOVE
+    assert [attention.values_by_chunk(n, chunked) for n in (1, MAX_TOKENS, above, above + 1)] == [False] * 3 + [True]
+    assert not attention.values_by_chunk(1 << 20, torch.empty(1, VALUE_CHUNK // 2, 1, 8, dtype=FP8_DTYPE))
+    assert not attention.values_by_chunk(1 << 20, torch.empty(1, VALUE_CHUNK, 1, 8))
+
+
+def test_engine_stores_large_steps_values_by_chunk(tmp_path, monkeypatch):
     """An engine on the Triton backend with an FP8 cache of chunked values, its steps of more than 16 tokens storing
     their values by chunk (prompt chunks that start inside a chunk of keys, decodes beside them), leaves every
-    layer's cache as the token store does, byte for byte, and samples the same greedy tokens. On CUDA with graphs
-    too, which capture every step here: none of them stores by chunk (stale tables of padding sequences)."""
+    layer's cache as the token store does, byte for byte, and samples the same greedy tokens. (Eager: a threshold
+    below the graphs' sizes is one `values_by_chunk` rules out.)"""
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine import model_runner
-    from nanovllm.layers import attention, triton_kvstore
+    from nanovllm.layers import triton_kvstore
     from nanovllm.utils.random_checkpoint import make_random_checkpoint
     monkeypatch.setattr(model_runner.ModelRunner, "_backend_name", lambda self: "triton")
     monkeypatch.setattr(triton_attention, "triton_available", lambda: True)
@@ -942,17 +953,17 @@ def test_engine_stores_large_steps_values_by_chunk(tmp_path, monkeypatch, enforc
     path = make_random_checkpoint(tmp_path / "tiny", "tiny")
     prompts = [[5, 9, 200, 31] * 10, [7] * 100, list(range(3, 73))]
     results = []
-    for above in (16, -1):  # by chunk above 16 tokens; never
+    for above in (16, 1 << 30):  # by chunk above 16 tokens; never
         monkeypatch.setattr(attention, "VALUES_BY_CHUNK_ABOVE", above)
         with LLM(str(path), kvcache_block_size=VALUE_CHUNK, max_num_batched_tokens=64, num_kvcache_blocks=12,
-                 kv_cache_dtype="fp8", enforce_eager=enforce_eager) as llm:
+                 kv_cache_dtype="fp8", enforce_eager=True) as llm:
             outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                                    use_tqdm=False)
             layers = llm.model_runner.attn_layers
             results.append(([o["token_ids"] for o in outputs],
                             [cache.clone() for layer in layers for cache in (layer.k_cache, layer.v_cache)]))
-        if above > 0:
-            assert bool(calls) == enforce_eager and all(n > above for n in calls)
+        if above == 16:
+            assert calls and all(n > above for n in calls)
             calls.clear()
     assert not calls
     (tokens, caches), (want_tokens, want_caches) = results

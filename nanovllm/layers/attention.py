@@ -26,9 +26,9 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn; the store saturates there (
 # values laid out as the keys (benchmarks/decode_attention_notes.md, run 11): 256 x 1k 165.3 -> 141.2 us, 128 x 4k
 # 348.2 -> 269.5, 32 x 4k 96.8 -> 82.8, 1 x 16k 25.9 -> 23.1. NANOVLLM_VALUE_CHUNK overrides it (0: never chunked)
 VALUE_CHUNK = int(os.environ.get("NANOVLLM_VALUE_CHUNK", 64))
-# a step of more tokens than this (as many as the largest CUDA graph holds: piecewise_graphs.MAX_TOKENS) stores its
-# values into chunks by chunk (`values_by_chunk`); NANOVLLM_VALUES_BY_CHUNK_ABOVE overrides it (-1: never)
-VALUES_BY_CHUNK_ABOVE = int(os.environ.get("NANOVLLM_VALUES_BY_CHUNK_ABOVE", 2048))
+# a step of more tokens than this stores its values into chunks by chunk (`values_by_chunk`): no fewer than the
+# largest CUDA graph holds (piecewise_graphs.MAX_TOKENS), since that store runs only eagerly
+VALUES_BY_CHUNK_ABOVE = 2048
 
 
 @dataclass(slots=True)
@@ -121,9 +121,9 @@ def values_by_chunk(num_tokens: int, v_cache: torch.Tensor) -> bool:
     values in a kernel of their own, a program per chunk of a sequence's new keys
     (`triton_kvstore.store_values_by_chunk`): into a chunked cache (`value_chunk`), where a token's values go a
     byte to each of head_dim rows, in steps of more than VALUES_BY_CHUNK_ABOVE tokens, whose prompts fill chunks.
-    Never in a CUDA graph: that kernel's grid follows the step, and a graph's padding sequences have stale tables."""
-    return (0 <= VALUES_BY_CHUNK_ABOVE < num_tokens and value_chunk(v_cache) > 0
-            and not (v_cache.is_cuda and torch.cuda.is_current_stream_capturing()))
+    No graph holds such a step: that kernel's grid follows the step, a varlen graph's padding sequences have stale
+    tables, and a piecewise graph's attention gets no values from its piece when the store is fused."""
+    return num_tokens > VALUES_BY_CHUNK_ABOVE and value_chunk(v_cache) > 0
 
 
 def value_slots(v_cache: torch.Tensor) -> torch.Tensor:
