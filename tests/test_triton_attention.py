@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.layers import attention
 from nanovllm.layers.attention import (FP8_DTYPE, VALUE_CHUNK, TorchBackend, quantize_kv, value_chunk,
                                       value_slots, values_as_cache)
 from tests.conftest import compile_for_sm90
@@ -635,42 +634,6 @@ def test_triton_store_matches_torch(kv_fp8, block_size):
         assert_stored_as(got, want)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_values_by_chunk_match_the_token_store(seed):
-    """A large step's values by chunks (`store_values_by_chunk`) land as the token store puts them, and nothing
-    else changes: sequences whose new tokens start anywhere in a chunk (a prefix in the cache), on a chunk's
-    edge, span blocks, or are one decode; head dims 64 and 80 (masked), blocks of one and two chunks."""
-    from nanovllm.layers.triton_kvstore import store_values_by_chunk
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    block_size = VALUE_CHUNK * rng.choice([1, 2])
-    num_kv_heads, head_dim = rng.choice([1, 3]), rng.choice([64, 80])
-    query_lens, context_lens = [], []
-    for kind in rng.sample(["fresh", "prefix", "aligned", "decode", "long"], 4):
-        query = {"fresh": rng.randrange(1, 150), "prefix": rng.randrange(1, 90), "aligned": VALUE_CHUNK,
-                 "decode": 1, "long": rng.randrange(2 * block_size, 3 * block_size)}[kind]
-        cached = {"fresh": 0, "prefix": rng.randrange(1, 200), "aligned": VALUE_CHUNK * rng.randrange(3),
-                  "decode": rng.randrange(1, 300), "long": rng.randrange(40)}[kind]
-        query_lens.append(query)
-        context_lens.append(cached + query)
-    num_blocks = sum(math.ceil(c / block_size) for c in context_lens) + 2
-    meta = make_meta(query_lens, context_lens, random_block_tables(context_lens, block_size, num_blocks, gen),
-                     block_size, torch.device("cpu"))
-    num_tokens = sum(query_lens)
-    qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, generator=gen) * 4
-    qkv[0, -1] = 1e4  # beyond FP8's range once divided by the scale: saturates
-    v = qkv[:, 2 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
-    expected = quantize_kv(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen), 1.0,
-                           FP8_DTYPE)  # what the cache held before: a stray write shows
-    got = expected.clone().to(DEVICE)
-    unused = torch.empty_like(expected)
-    TorchBackend().store_kvcache(v, v, unused, expected, meta.slot_mapping, V_SCALE, V_SCALE)
-    store_values_by_chunk(v.to(DEVICE), got, meta.cu_seqlens_q.to(DEVICE), meta.context_lens.to(DEVICE),
-                          meta.block_tables.to(DEVICE), max(query_lens), V_SCALE)
-    assert value_chunk(got) == VALUE_CHUNK
-    assert_stored_as(got, expected)
-
-
 def test_decode_splits_fill_the_gpu():
     sms = 132
     assert triton_attention.decode_splits(256, 8, sms) == 1  # 2048 programs: plenty
@@ -861,7 +824,7 @@ def test_kernels_compile_for_sm90():
     Attention: decode split and unsplit over a bf16 cache, split and unsplit (both tiles) over an FP8 one (chunked
     values), prefill over an FP8 cache, a warm-up's over its own keys and a graph's through a tile map, its decodes
     split or not; the merges of a batch of one's 64 splits, of batch 8's 8 and of a graph's varlen step; the KV
-    store into both caches, and a large step's values by chunks."""
+    store into both caches."""
     deep = triton_attention.FP8_DEEP_PROGRAMS_PER_SM
     cases = [attention_case("bf16", decode=True, split=True), attention_case("bf16", decode=True),
              attention_case("fp8e4nv", decode=True), attention_case("fp8e4nv", decode=True, programs_per_sm=deep),
@@ -887,10 +850,6 @@ def test_kernels_compile_for_sm90():
             k_token_stride="i32", k_head_stride="i32", v_token_stride="i32", v_head_stride="i32", k_scale="fp32",
             v_scale="fp32"), dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_BLOCK=8, DIM_BLOCK=128, BLOCK_SIZE=256,
                                   V_CHUNK=VALUE_CHUNK if cache == "fp8e4nv" else 0, QUANTIZE=cache == "fp8e4nv")))
-    cases.append(("nanovllm.layers.triton_kvstore", "_store_values_by_chunk_kernel", dict(
-        v_ptr="*bf16", v_cache_ptr="*fp8e4nv", cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32",
-        block_tables_ptr="*i32", v_token_stride="i32", v_head_stride="i32", block_table_stride="i32", v_scale="fp32"),
-        dict(NUM_KV_HEADS=8, HEAD_DIM=128, DIM_BLOCK=128, BLOCK_SIZE=256, CHUNK=VALUE_CHUNK)))
     compile_for_sm90(cases)
 
 
@@ -922,54 +881,6 @@ def test_engine_built_on_the_triton_backend_matches_hf(tmp_path, monkeypatch):
     for prompt, out in zip(prompts, outputs):
         assert_greedy_matches_hf(hf, prompt, out["token_ids"])
     assert decodes
-
-
-def test_values_by_chunk_only_above_every_graph():
-    """Steps of more tokens than any graph holds, into a chunked cache, store their values by chunk; no other."""
-    from nanovllm.engine.piecewise_graphs import MAX_TOKENS
-    chunked = torch.empty(1, VALUE_CHUNK, 1, 8, dtype=FP8_DTYPE)
-    assert attention.VALUES_BY_CHUNK_ABOVE >= MAX_TOKENS and value_chunk(chunked)
-    above = attention.VALUES_BY_CHUNK_ABOVE
-    assert [attention.values_by_chunk(n, chunked) for n in (1, MAX_TOKENS, above, above + 1)] == [False] * 3 + [True]
-    assert not attention.values_by_chunk(1 << 20, torch.empty(1, VALUE_CHUNK // 2, 1, 8, dtype=FP8_DTYPE))
-    assert not attention.values_by_chunk(1 << 20, torch.empty(1, VALUE_CHUNK, 1, 8))
-
-
-def test_engine_stores_large_steps_values_by_chunk(tmp_path, monkeypatch):
-    """An engine on the Triton backend with an FP8 cache of chunked values, its steps of more than 16 tokens storing
-    their values by chunk (prompt chunks that start inside a chunk of keys, decodes beside them), leaves every
-    layer's cache as the token store does, byte for byte, and samples the same greedy tokens. (Eager: a threshold
-    below the graphs' sizes is one `values_by_chunk` rules out.)"""
-    from nanovllm import LLM, SamplingParams
-    from nanovllm.engine import model_runner
-    from nanovllm.layers import triton_kvstore
-    from nanovllm.utils.random_checkpoint import make_random_checkpoint
-    monkeypatch.setattr(model_runner.ModelRunner, "_backend_name", lambda self: "triton")
-    monkeypatch.setattr(triton_attention, "triton_available", lambda: True)
-    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)
-    calls = []
-    by_chunk = triton_kvstore.store_values_by_chunk
-    monkeypatch.setattr(triton_kvstore, "store_values_by_chunk", lambda *a: calls.append(a[0].size(0)) or by_chunk(*a))
-    path = make_random_checkpoint(tmp_path / "tiny", "tiny")
-    prompts = [[5, 9, 200, 31] * 10, [7] * 100, list(range(3, 73))]
-    results = []
-    for above in (16, 1 << 30):  # by chunk above 16 tokens; never
-        monkeypatch.setattr(attention, "VALUES_BY_CHUNK_ABOVE", above)
-        with LLM(str(path), kvcache_block_size=VALUE_CHUNK, max_num_batched_tokens=64, num_kvcache_blocks=12,
-                 kv_cache_dtype="fp8", enforce_eager=True) as llm:
-            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                                   use_tqdm=False)
-            layers = llm.model_runner.attn_layers
-            results.append(([o["token_ids"] for o in outputs],
-                            [cache.clone() for layer in layers for cache in (layer.k_cache, layer.v_cache)]))
-        if above == 16:
-            assert calls and all(n > above for n in calls)
-            calls.clear()
-    assert not calls
-    (tokens, caches), (want_tokens, want_caches) = results
-    assert tokens == want_tokens
-    for got, want in zip(caches, want_caches):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")

@@ -26,9 +26,6 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn; the store saturates there (
 # values laid out as the keys (benchmarks/decode_attention_notes.md, run 11): 256 x 1k 165.3 -> 141.2 us, 128 x 4k
 # 348.2 -> 269.5, 32 x 4k 96.8 -> 82.8, 1 x 16k 25.9 -> 23.1. NANOVLLM_VALUE_CHUNK overrides it (0: never chunked)
 VALUE_CHUNK = int(os.environ.get("NANOVLLM_VALUE_CHUNK", 64))
-# a step of more tokens than this stores its values into chunks by chunk (`values_by_chunk`): no fewer than the
-# largest CUDA graph holds (piecewise_graphs.MAX_TOKENS), since that store runs only eagerly
-VALUES_BY_CHUNK_ABOVE = 2048
 
 
 @dataclass(slots=True)
@@ -114,16 +111,6 @@ def value_chunk(v_cache: torch.Tensor) -> int:
     of blocks of a multiple of VALUE_CHUNK tokens holds them [block, kv head, chunk, dim, key of the chunk]: a dim of
     a chunk's keys is one row of 64 bytes, which the Triton kernels load as they load a key."""
     return VALUE_CHUNK if VALUE_CHUNK and v_cache.dtype == FP8_DTYPE and v_cache.size(1) % VALUE_CHUNK == 0 else 0
-
-
-def values_by_chunk(num_tokens: int, v_cache: torch.Tensor) -> bool:
-    """Whether a step of num_tokens whose store is fused (`Attention.fused_store`) stores its keys there and its
-    values in a kernel of their own, a program per chunk of a sequence's new keys
-    (`triton_kvstore.store_values_by_chunk`): into a chunked cache (`value_chunk`), where a token's values go a
-    byte to each of head_dim rows, in steps of more than VALUES_BY_CHUNK_ABOVE tokens, whose prompts fill chunks.
-    No graph holds such a step: that kernel's grid follows the step, a varlen graph's padding sequences have stale
-    tables, and a piecewise graph's attention gets no values from its piece when the store is fused."""
-    return num_tokens > VALUES_BY_CHUNK_ABOVE and value_chunk(v_cache) > 0
 
 
 def value_slots(v_cache: torch.Tensor) -> torch.Tensor:
@@ -256,9 +243,5 @@ class Attention(nn.Module):
         if self.k_cache.numel() and not self.fused_store:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
                                        self.k_scale, self.v_scale)
-        elif self.fused_store and values_by_chunk(q.size(0), self.v_cache):  # (the decoder stored the keys)
-            from nanovllm.layers.triton_kvstore import store_values_by_chunk  # (Triton's store: it imports this)
-            store_values_by_chunk(v, self.v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                                  meta.max_seqlen_q, self.v_scale)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return o.flatten(1, 2)

@@ -64,34 +64,6 @@ if triton is not None:
                  key.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + cache_offsets(slot, heads, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CHUNK),
                  value.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _store_values_by_chunk_kernel(
-        v_ptr, v_cache_ptr, cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
-        v_token_stride, v_head_stride, block_table_stride, v_scale,
-        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        CHUNK: tl.constexpr,
-    ):
-        """Program (c, seq, kv head): the step's values of one sequence's c-th chunk of keys from its first new one,
-        stored a dim's keys at a time (one row of CHUNK bytes)."""
-        chunk, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        start, end = tl.load(cu_seqlens_q_ptr + seq), tl.load(cu_seqlens_q_ptr + seq + 1)
-        context = tl.load(context_lens_ptr + seq)
-        first = context - (end - start)  # the key of the sequence's first token in this step
-        chunk_start = (first // CHUNK + chunk) * CHUNK
-        if chunk_start < context:
-            keys = chunk_start + tl.arange(0, CHUNK)
-            valid = (keys >= first) & (keys < context)
-            tokens = (start + keys - first).to(tl.int64)
-            dims = tl.arange(0, DIM_BLOCK)
-            value = tl.load(v_ptr + tokens[:, None] * v_token_stride + head * v_head_stride + dims[None, :],
-                            mask=valid[:, None] & (dims < HEAD_DIM)[None, :])
-            value = quantize_fp8(value, v_scale).to(v_cache_ptr.dtype.element_ty)
-            block = tl.load(block_tables_ptr + seq * block_table_stride + chunk_start // BLOCK_SIZE).to(tl.int64)
-            # `cache_offsets` of these keys: the chunk lies in one block, its keys contiguous along each dim
-            base = ((block * NUM_KV_HEADS + head) * BLOCK_SIZE + chunk_start % BLOCK_SIZE) * HEAD_DIM
-            rows = v_cache_ptr + base + dims[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-            tl.store(rows, tl.trans(value), mask=(dims < HEAD_DIM)[:, None] & valid[None, :])
 else:
     quantize_fp8 = cache_offsets = None
 
@@ -115,28 +87,4 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=v_cache.size(1), V_CHUNK=value_chunk(v_cache),
         HEADS_BLOCK=triton.next_power_of_2(num_kv_heads), DIM_BLOCK=triton.next_power_of_2(head_dim),
         QUANTIZE=quantize,
-    )
-
-
-def store_values_by_chunk(v: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          context_lens: torch.Tensor, block_tables: torch.Tensor, max_seqlen_q: int,
-                          v_scale: float = 1.0):
-    """A varlen step's values into a chunked FP8 cache (`value_chunk`), as `store_kvcache` stores them, but a
-    program per chunk of a sequence's keys: where a token's values go a byte to each of head_dim rows, a chunk's go
-    a row to each, whole. Sequence i's new tokens are v[cu_seqlens_q[i]:cu_seqlens_q[i + 1]], the last of its
-    context_lens[i] keys, in the blocks of block_tables[i]; max_seqlen_q bounds their counts."""
-    require_triton("the Triton KV-cache store")
-    num_tokens, num_kv_heads, head_dim = v.shape
-    chunk = value_chunk(v_cache)
-    # internal invariants: the attention layer calls it for chunked caches only (`attention.values_by_chunk`)
-    assert chunk and v_cache.is_contiguous() and v_cache.shape[2:] == (num_kv_heads, head_dim) and v.stride(-1) == 1
-    num_seqs = cu_seqlens_q.numel() - 1
-    if num_tokens == 0 or num_seqs == 0:
-        return
-    # a sequence's first new key may lie anywhere in a chunk: one chunk more than its tokens fill
-    grid = (triton.cdiv(max_seqlen_q, chunk) + 1, num_seqs, num_kv_heads)
-    _store_values_by_chunk_kernel[grid](
-        v, v_cache, cu_seqlens_q, context_lens, block_tables, v.stride(0), v.stride(1), block_tables.stride(0),
-        v_scale, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=v_cache.size(1), CHUNK=chunk,
     )

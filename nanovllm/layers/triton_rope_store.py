@@ -65,7 +65,7 @@ if triton is not None:
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
         QK_NORM: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        V_CHUNK: tl.constexpr, STORE_V: tl.constexpr,
+        V_CHUNK: tl.constexpr,
     ):
         dependent_start(PDL)  # (`triton_skinny`): q, k and v are the previous kernel's
         token = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a cache can exceed 2**31 elements
@@ -87,24 +87,22 @@ if triton is not None:
             k1, k2, kv_mask = _normed_rope(k_ptr, k_token_stride, k_weight_ptr, cos, sin, token, eps,
                                            NUM_KV_HEADS, HEAD_DIM, KV_HEADS_BLOCK, HALF_BLOCK, QK_NORM)
             kv_heads = tl.arange(0, KV_HEADS_BLOCK)[:, None]
+            v_src = v_ptr + token * v_token_stride + kv_heads * HEAD_DIM + cols
+            v1 = tl.load(v_src, mask=kv_mask, other=0.0)
+            v2 = tl.load(v_src + half, mask=kv_mask, other=0.0)
             # the key is rounded to the model's dtype first, as the unfused rope returns it
-            k1 = k1.to(k_ptr.dtype.element_ty)
-            k2 = k2.to(k_ptr.dtype.element_ty)
+            k1 = k1.to(v1.dtype)
+            k2 = k2.to(v1.dtype)
             if QUANTIZE:
                 k1, k2 = quantize_fp8(k1, k_scale), quantize_fp8(k2, k_scale)
+                v1, v2 = quantize_fp8(v1, v_scale), quantize_fp8(v2, v_scale)
             k_dst = k_cache_ptr + cache_offsets(slot, kv_heads, cols, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, 0)
             tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
             tl.store(k_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-            if STORE_V:
-                v_src = v_ptr + token * v_token_stride + kv_heads * HEAD_DIM + cols
-                v1 = tl.load(v_src, mask=kv_mask, other=0.0)
-                v2 = tl.load(v_src + half, mask=kv_mask, other=0.0)
-                if QUANTIZE:
-                    v1, v2 = quantize_fp8(v1, v_scale), quantize_fp8(v2, v_scale)
-                tl.store(v_cache_ptr + cache_offsets(slot, kv_heads, cols, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CHUNK),
-                         v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-                tl.store(v_cache_ptr + cache_offsets(slot, kv_heads, cols + half, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                                                     V_CHUNK), v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_cache_ptr + cache_offsets(slot, kv_heads, cols, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, V_CHUNK),
+                     v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_cache_ptr + cache_offsets(slot, kv_heads, cols + half, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                                 V_CHUNK), v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 else:
     norm_and_rotate = None
 
@@ -127,9 +125,8 @@ class RopeStoreArgs(NamedTuple):
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
-               v_scale: float = 1.0, store_values: bool = True) -> torch.Tensor:
-    """The normed, rotated queries [num_tokens, num_heads, head_dim]; the keys and values go to the cache (the keys
-    alone when not `store_values`: `triton_kvstore.store_values_by_chunk` stores the values)."""
+               v_scale: float = 1.0) -> torch.Tensor:
+    """The normed, rotated queries [num_tokens, num_heads, head_dim]; the keys and values go to the cache."""
     require_triton("the fused rope and KV store")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.size(1)
@@ -154,6 +151,6 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_BLOCK=triton.next_power_of_2(num_heads), KV_HEADS_BLOCK=triton.next_power_of_2(num_kv_heads),
         HALF_BLOCK=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm, QUANTIZE=quantize, **pdl_args(q.device),
-        BLOCK_SIZE=v_cache.size(1), V_CHUNK=value_chunk(v_cache), STORE_V=store_values,
+        BLOCK_SIZE=v_cache.size(1), V_CHUNK=value_chunk(v_cache),
     )
     return out

@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.layers import triton_skinny
 from nanovllm.layers.activation import gated_activation
-from nanovllm.layers.attention import Attention, AttentionMetadata, values_by_chunk
+from nanovllm.layers.attention import Attention, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -94,9 +94,7 @@ class DecoderAttention(nn.Module):
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if store is not None:
-            if not in_projection:  # (a large step's values: the attention stores them, `values_by_chunk`)
-                q = rope_store(q, k, v, *store, store_values=not values_by_chunk(q.size(0), attn.v_cache))
-            return q, k, v
+            return (q if in_projection else rope_store(q, k, v, *store)), k, v
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
