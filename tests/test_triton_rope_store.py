@@ -85,6 +85,36 @@ def test_fused_equals_unfused(seed, dtype):
             torch.testing.assert_close(x.float(), y.float(), atol=1e-6, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else []))
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fp8_keys_are_rounded_to_the_model_dtype_before_they_are_quantized(dtype, qk_norm):
+    """Into an FP8 cache the kernel stores what the unfused layers do: the rotated keys rounded to the model's dtype
+    (as the unfused rope returns them), then quantized. So its FP8 cache equals, byte for byte, the same kernel's
+    keys stored in the model's dtype and then quantized by the Triton store (the same rounding to FP8 on both sides,
+    which the interpreter does its own way). Quantizing the float32 keys differs where the rounding to the model's
+    dtype carries over an FP8 step: ~0.4% of float16 keys, ~3% of bf16's (here 64 tokens x 4 heads x 128 dims)."""
+    from nanovllm.layers.triton_kvstore import store_kvcache
+    q, k, v, positions, rope, q_norm, k_norm, caches, slots, (k_scale, v_scale) = case(
+        3, dtype, 8, 4, 128, qk_norm, True, num_tokens=64, num_blocks=8)
+    weights = (q_norm.weight, k_norm.weight) if qk_norm else (None, None)
+
+    def fp8_keys_of(q, k, v):
+        fused = [c.clone() for c in caches]
+        triton_rope_store.rope_store(q, k, v, positions, rope.cos_sin_cache, *weights, 1e-6, *fused, slots, k_scale, v_scale)
+        return fused
+
+    wide = [torch.zeros(c.shape, dtype=dtype, device=DEVICE) for c in caches]
+    triton_rope_store.rope_store(q, k, v, positions, rope.cos_sin_cache, *weights, 1e-6, *wide, slots)
+    rounded_k = wide[0].flatten(0, 1)[slots.clamp(min=0)]  # (the padding slot's row: stored nowhere)
+    want = [c.clone() for c in caches]
+    store_kvcache(rounded_k, v, *want, slots, k_scale, v_scale)
+    for got, expected in zip(fp8_keys_of(q, k, v), want):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    if not qk_norm:  # the test's reach: keys quantized from float32 (the norms would round elsewhere too)
+        unrounded = fp8_keys_of(q.float(), k.float(), v.float())[0]
+        assert (unrounded.view(torch.uint8) != want[0].view(torch.uint8)).float().mean() > 1e-3
+
+
 def test_the_decoder_passes_its_norms_and_slots_to_the_kernel(tiny_model):
     """`DecoderAttention.project` with the fused kernel equals the unfused layers, at hidden states so small that
     the norms' eps decides their output (a wrong or missing eps, weight or slot shows)."""

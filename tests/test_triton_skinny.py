@@ -188,6 +188,37 @@ def test_qkv_with_rope_rounds_the_projection_as_the_unfused_layers(qk_norm, bloc
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qkv_with_rope_rounds_fp8_keys_as_the_fused_store(qk_norm):
+    """Into an FP8 cache the epilogue rounds the rotated keys to the model's dtype before it quantizes them, as
+    `rope_store` does (tests/test_triton_rope_store.py checks that against the unfused layers): with integer x and
+    w the float32 sums are exact and the projections equal, so the caches must equal byte for byte; quantized
+    unrounded, ~0.4% of float16 keys differ (here 32 rows x 2 heads x 64 dims: ~16 of them)."""
+    from nanovllm.layers.attention import FP8_DTYPE
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    from nanovllm.layers.triton_rope_store import rope_store
+    dtype, gen = torch.float16, torch.Generator().manual_seed(2)
+    m, k, num_heads, num_kv_heads, head_dim = 32, 64, 2, 2, 64
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    x = torch.randint(-16, 17, (m, k), generator=gen).to(dtype)
+    w = torch.randint(-16, 17, (q_size + 2 * kv_size, k), generator=gen).to(dtype)
+    qkv = (x.double() @ w.double().T).to(dtype)  # exact sums, rounded once: the projection's output
+    q, kk, v = (t.view(m, -1, head_dim).to(DEVICE) for t in qkv.split([q_size, kv_size, kv_size], -1))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos_sin = RotaryEmbedding(inv_freq, 4096).cos_sin_cache.to(DEVICE)
+    positions = torch.randint(0, 4096, (m,), generator=gen).to(DEVICE)
+    slots = torch.randperm(64, generator=gen)[:m].to(DEVICE)
+    weights = [(torch.rand(head_dim, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if qk_norm \
+        else [None, None]
+    caches = [torch.zeros(2, 32, num_kv_heads, head_dim, device=DEVICE).to(FP8_DTYPE) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    rope_store(q, kk, v, positions, cos_sin, *weights, 1e-6, *want_caches, slots, 4.0, 8.0)
+    args = triton_skinny.RopeStoreArgs(positions, cos_sin, *weights, 1e-6, *caches, slots, 4.0, 8.0)
+    triton_skinny.skinny_linear(x.to(DEVICE), w.to(DEVICE), rope=args, config=(head_dim // 2, 64, 4))
+    for got, want in zip(caches, want_caches):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_fuses_rope_only_where_tl_dot_takes_half_a_head(monkeypatch):
     """Half a head must be a power of two of 16 or more (`tl.dot`'s least N on a GPU, which the interpreter does not
     check): heads of 8 and 16 keep the separate kernel, as do 48 and 80."""
