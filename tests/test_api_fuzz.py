@@ -102,6 +102,19 @@ class ApiMachine(RuleBasedStateMachine):
             finals = [i for i in request.increments if i["finished"]]
             assert len(finals) <= 1 and (not finals or request.increments[-1] is finals[0])
 
+    def assert_same_tokens(self, prompt, params, got, want):
+        """Equal, except that greedy decoding may part where two tokens tie to float32 rounding: a request batched
+        with others, or recomputed after a preemption, rounds its logits differently from one run alone (one such
+        case: logits 2.6865680 and 2.6865671), and from there the two outputs are different texts, both right."""
+        if got == want or params.temperature > 0:
+            assert got == want
+            return
+        j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        assert j is not None, f"one output is a prefix of the other: {got} {want}"
+        top = self.llm.generate([list(prompt) + got[:j]], SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                                use_tqdm=False)[0]["logprobs"][0]
+        assert got[j] in top and want[j] in top and abs(top[got[j]] - top[want[j]]) < 1e-4, (j, got, want, top)
+
     def teardown(self):
         if not hasattr(self, "llm"):
             return
@@ -124,12 +137,12 @@ class ApiMachine(RuleBasedStateMachine):
                 assert sum((i["token_ids"] for i in again), []) == out["token_ids"]
                 reference = run_alone(request.prompt, request.params)["token_ids"]
                 if out["finish_reason"] == "abort":
-                    assert request.aborted and out["token_ids"] == reference[:len(out["token_ids"])]
-                else:
-                    assert out["token_ids"] == reference
+                    assert request.aborted
+                    reference = reference[:len(out["token_ids"])]
+                self.assert_same_tokens(request.prompt, request.params, out["token_ids"], reference)
             for prompts, params, outputs in self.batches:
                 for prompt, p, out in zip(prompts, params, outputs):
-                    assert out["token_ids"] == run_alone(prompt, p)["token_ids"]
+                    self.assert_same_tokens(prompt, p, out["token_ids"], run_alone(prompt, p)["token_ids"])
         finally:
             self.llm.close()
 
