@@ -154,6 +154,19 @@ def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
     assert not triton_skinny._counters[out.device].any()
 
 
+def integer_qkv(m, num_heads, num_kv_heads, head_dim, bound, gen, k=64, dtype=torch.float16):
+    """x and w of integers in [-bound, bound], so every float32 sum is exact, and the projection's output rounded
+    once to `dtype`, split into q, k and v heads on DEVICE; with a rope table of 4,096 positions."""
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    x = torch.randint(-bound, bound + 1, (m, k), generator=gen).to(dtype)
+    w = torch.randint(-bound, bound + 1, (q_size + 2 * kv_size, k), generator=gen).to(dtype)
+    qkv = (x.double() @ w.double().T).to(dtype)
+    heads = tuple(t.view(m, -1, head_dim).to(DEVICE) for t in qkv.split([q_size, kv_size, kv_size], -1))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    return x, w, qkv, heads, RotaryEmbedding(inv_freq, 4096).cos_sin_cache.to(DEVICE)
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("block_k", [64, 32])
 def test_qkv_with_rope_rounds_the_projection_as_the_unfused_layers(qk_norm, block_k):
@@ -161,18 +174,12 @@ def test_qkv_with_rope_rounds_the_projection_as_the_unfused_layers(qk_norm, bloc
     followed by `rope_store` does: integer x and w make every float32 sum exact while most outputs need rounding
     to float16, so q, k, v and the cache must equal theirs bit for bit (float16: the interpreter's bf16 `tl.dot`
     is wrong)."""
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding
     from nanovllm.layers.triton_rope_store import rope_store
     dtype, gen = torch.float16, torch.Generator().manual_seed(1)
-    m, k, num_heads, num_kv_heads, head_dim = 5, 64, 2, 1, 32
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    x = torch.randint(-64, 65, (m, k), generator=gen).to(dtype)
-    w = torch.randint(-64, 65, (q_size + 2 * kv_size, k), generator=gen).to(dtype)
-    qkv = (x.double() @ w.double().T).to(dtype)  # exact sums, rounded once: the projection's output
+    m, num_heads, num_kv_heads, head_dim = 5, 2, 1, 32
+    q_size = num_heads * head_dim
+    x, w, qkv, (q, kk, v), cos_sin = integer_qkv(m, num_heads, num_kv_heads, head_dim, 64, gen)
     assert (qkv.double() != x.double() @ w.double().T).float().mean() > 0.3
-    q, kk, v = (t.view(m, -1, head_dim).to(DEVICE) for t in qkv.split([q_size, kv_size, kv_size], -1))
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    cos_sin = RotaryEmbedding(inv_freq, 4096).cos_sin_cache.to(DEVICE)
     positions = torch.tensor([3, 1000, 17, 4095, 250], device=DEVICE)
     slots = torch.tensor([4, 0, -1, 9, 2], device=DEVICE)
     weights = [(torch.rand(head_dim, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if qk_norm \
@@ -195,17 +202,10 @@ def test_qkv_with_rope_rounds_fp8_keys_as_the_fused_store(qk_norm):
     w the float32 sums are exact and the projections equal, so the caches must equal byte for byte; quantized
     unrounded, ~0.4% of float16 keys differ (here 32 rows x 2 heads x 64 dims: ~16 of them)."""
     from nanovllm.layers.attention import FP8_DTYPE
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding
     from nanovllm.layers.triton_rope_store import rope_store
     dtype, gen = torch.float16, torch.Generator().manual_seed(2)
-    m, k, num_heads, num_kv_heads, head_dim = 32, 64, 2, 2, 64
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    x = torch.randint(-16, 17, (m, k), generator=gen).to(dtype)
-    w = torch.randint(-16, 17, (q_size + 2 * kv_size, k), generator=gen).to(dtype)
-    qkv = (x.double() @ w.double().T).to(dtype)  # exact sums, rounded once: the projection's output
-    q, kk, v = (t.view(m, -1, head_dim).to(DEVICE) for t in qkv.split([q_size, kv_size, kv_size], -1))
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    cos_sin = RotaryEmbedding(inv_freq, 4096).cos_sin_cache.to(DEVICE)
+    m, num_heads, num_kv_heads, head_dim = 32, 2, 2, 64
+    x, w, _, (q, kk, v), cos_sin = integer_qkv(m, num_heads, num_kv_heads, head_dim, 16, gen)
     positions = torch.randint(0, 4096, (m,), generator=gen).to(DEVICE)
     slots = torch.randperm(64, generator=gen)[:m].to(DEVICE)
     weights = [(torch.rand(head_dim, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if qk_norm \
