@@ -118,6 +118,18 @@ def test_a_cache_one_token_short_of_max_model_len_lowers_it(tiny_model):
             llm.generate([list(range(3, 68))], use_tqdm=False)
 
 
+def test_auto_dtype_on_cuda_is_the_checkpoints(tmp_path, monkeypatch):
+    """dtype="auto" runs the model on CUDA in the dtype its checkpoint is stored in (on CPU: float32). The Config
+    alone, with CUDA faked: it allocates nothing."""
+    from nanovllm.config import Config
+    from nanovllm.utils.random_checkpoint import make_random_checkpoint
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for dtype in ("float16", "float32", "bfloat16"):
+        path = make_random_checkpoint(tmp_path / dtype, dtype=dtype, with_weights=False)
+        assert Config(str(path)).dtype == dtype
+
+
 def test_stops_at_max_model_len(tiny_model):
     llm = LLM(tiny_model, kvcache_block_size=16, max_model_len=30)
     out = llm.generate([list(range(3, 28))], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0]

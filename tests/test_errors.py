@@ -29,6 +29,8 @@ def test_unknown_engine_argument_is_named(tiny_model):
     ({"kvcache_block_size": 24}, "kvcache_block_size=24"),
     ({"max_num_seqs": 0}, "max_num_seqs=0"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization=0 must be in \\(0, 1\\]"),
+    ({"num_kvcache_blocks": 0}, "num_kvcache_blocks=0"),  # not a silent "size from memory" (that is -1)
     ({"device": "tpu"}, "device='tpu'"),
     ({"dtype": "float8"}, "dtype='float8'"),
     ({"attention_backend": "nope"}, "attention_backend='nope'"),
@@ -36,6 +38,12 @@ def test_unknown_engine_argument_is_named(tiny_model):
 def test_bad_engine_settings(tiny_model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny_model, **kwargs)
+
+
+def test_a_bool_is_not_an_int_setting(tiny_model):
+    """True is an int to Python, yet max_num_seqs=True is a mistake to name, not a batch of one."""
+    with pytest.raises(TypeError, match="max_num_seqs=True must be an int"):
+        LLM(tiny_model, max_num_seqs=True)
 
 
 def test_flash_attn_without_cuda_is_a_clear_error(tiny_model):

@@ -60,6 +60,35 @@ def test_missing_k_proj_is_named(tmp_path):
         LLM(str(path))
 
 
+def test_missing_parameter_is_named(tmp_path):
+    """A tensor missing altogether (not one part of a fused projection) is an error too, never an uninitialised
+    parameter."""
+    path = break_checkpoint(tmp_path, lambda t: t.pop("model.norm.weight"), "tiny-llama")
+    with pytest.raises(ValueError, match=r"lacks weights for \['model.norm.weight'\]"):
+        LLM(str(path))
+
+
+def test_tensors_that_are_no_parameters_are_skipped(tmp_path):
+    """A tied model's checkpoint that still stores lm_head.weight, and older Llama checkpoints' rotary_emb.inv_freq
+    (computed here): the same model as without them."""
+    def extras(tensors):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    with_extras = break_checkpoint(tmp_path, extras, "tiny-llama")
+    assert greedy_tokens(with_extras) == greedy_tokens(make_random_checkpoint(tmp_path / "plain", "tiny-llama"))
+
+
+def test_stacked_experts_checkpoint(tmp_path):
+    """Experts stored stacked, as transformers 5 holds them in memory (`mlp.experts.gate_up_proj` [experts,
+    2 * intermediate, hidden], gates then ups, and `mlp.experts.down_proj`), not one tensor per expert."""
+    path = make_random_checkpoint(tmp_path / "moe", "tiny-qwen3-moe")
+    tensors = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    assert tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    check_against_hf(path)
+
+
 def test_expert_past_num_experts(tmp_path):
     def extra_expert(tensors):
         expert_0 = tensors["model.layers.0.mlp.experts.0.down_proj.weight"]
@@ -132,6 +161,8 @@ def test_checkpoint_bytes_of_the_benchmark_shapes():
              ("llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b", "qwen3-30b-a3b")}
     assert sizes == pytest.approx({"llama-3.2-1b": 1.236, "llama-3.1-8b": 8.030, "qwen2.5-0.5b": 0.494,
                                    "mistral-7b": 7.248, "qwen3-30b-a3b": 30.532}, rel=2e-3)
+    # Qwen3-0.6B (bench.py's default shape): 0.44B parameters besides the embedding, which its LM head shares
+    assert 0.435 <= checkpoint_bytes("qwen3-0.6b") / 2e9 - 151936 * 1024 / 1e9 < 0.445
 
 
 @pytest.mark.parametrize("shape", ["llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b", "qwen3-30b-a3b"])

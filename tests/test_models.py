@@ -46,6 +46,13 @@ FAMILIES = {
     "qwen3-moe-sparse-step-and-dense-layers": ("tiny-qwen3-moe", dict(
         num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False, num_experts=6,
         num_experts_per_tok=3)),
+    # every expert for every token: num_experts_per_tok may equal num_experts
+    "qwen3-moe-all-experts": ("tiny-qwen3-moe", dict(num_experts=4, num_experts_per_tok=4)),
+    # mlp_bias apart from attention_bias: each option reads its own field
+    "llama-mlp-bias-only": ("tiny-llama", dict(mlp_bias=True)),
+    # an eps large against the hidden states' mean square, so that every RMSNorm (q/k norms included) shows
+    # in the tokens whether it uses the config's rms_norm_eps; at 1e-5 against 1e-6 the logits barely move
+    "qwen3-large-rms-norm-eps": ("tiny", dict(rms_norm_eps=0.1)),
 }
 
 
@@ -53,6 +60,20 @@ FAMILIES = {
 def test_family_matches_hf(tmp_path, name):
     shape, overrides = FAMILIES[name]
     check_against_hf(make_random_checkpoint(tmp_path / name, shape, **overrides))
+
+
+def test_logprobs_follow_the_final_norms_eps(tmp_path):
+    """The final RMSNorm's eps scales all logits of a position alike, so greedy tokens cannot show whether it is
+    the config's; the logprobs (of the model's raw distribution) do."""
+    shape, overrides = FAMILIES["qwen3-large-rms-norm-eps"]
+    path = make_random_checkpoint(tmp_path / "eps", shape, **overrides)
+    prompt, params = PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    with LLM(str(path), kvcache_block_size=16) as llm:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+    with torch.no_grad():
+        expected = hf_model(path)(torch.tensor([prompt + out["token_ids"]])).logits[0, len(prompt) - 1:-1]
+    for row, token, entry in zip(expected.log_softmax(-1), out["token_ids"], out["logprobs"]):
+        assert entry[token] == pytest.approx(row[token].item(), abs=1e-4)
 
 
 def test_qwen3_moe_layers_follow_the_config(tmp_path):
@@ -93,6 +114,29 @@ def test_rope_frequencies_equal_transformers(rope, head_dim):
         else (1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)), 1.0)
     assert scaling == 1.0
     assert torch.equal(rope_inv_freq(config, head_dim), expected)
+
+
+def test_llama3_rope_reads_a_top_level_original_context():
+    """A config object that holds original_max_position_embeddings beside rope_scaling, not in it (older
+    transformers pass such configs on): llama3 rope takes that field, as transformers does, not
+    max_position_embeddings; the two give other frequencies here."""
+    rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    config = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4, head_dim=16,
+                                  max_position_embeddings=131072, original_max_position_embeddings=256,
+                                  rope_parameters=dict(rope, rope_type="llama3", rope_theta=500000.0))
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    legacy = dict(rope_scaling=dict(rope, type="llama3"), rope_theta=500000.0, max_position_embeddings=131072)
+    assert torch.equal(rope_inv_freq(SimpleNamespace(**legacy, original_max_position_embeddings=256), 16), expected)
+    assert not torch.equal(rope_inv_freq(SimpleNamespace(**legacy), 16), expected)
+
+
+def test_partial_rotary_factor_is_an_error():
+    """Rope over part of each head (partial_rotary_factor < 1) is not implemented: refused, never run as rope
+    over the whole head, whether the factor sits at the top of the config or in rope_parameters."""
+    for where in (dict(partial_rotary_factor=0.5), dict(rope_scaling=dict(partial_rotary_factor=0.5))):
+        config = SimpleNamespace(rope_theta=10000.0, max_position_embeddings=64, **where)
+        with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported"):
+            rope_inv_freq(config, 16)
 
 
 def test_mistral_sliding_window(tmp_path):

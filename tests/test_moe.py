@@ -92,6 +92,38 @@ def test_tensor_parallel_moe_and_biases(tmp_path):
     check_against_hf(llama, tensor_parallel_size=2)
 
 
+def test_stacked_expert_tensors_shard_as_per_expert_ones(monkeypatch):
+    """Stacked expert tensors (gate_up_proj [experts, 2 * intermediate, hidden]: gates, then ups; down_proj
+    [experts, hidden, intermediate]) give each of 2 ranks the share that the per-expert tensors give it (those
+    equal HF at TP=2 end to end): half of every gate and of every up, half of down's columns."""
+    from nanovllm.layers import moe
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter, tp = 3, 8, 6, 2
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen)
+    down = torch.randn(experts, hidden, inter, generator=gen)
+    monkeypatch.setattr(moe, "tp_size", lambda: tp)
+    for rank in range(tp):
+        monkeypatch.setattr(moe, "tp_rank", lambda: rank)
+        stacked, per_expert = moe.StackedExperts(experts, hidden, inter), moe.StackedExperts(experts, hidden, inter)
+        stacked.weight_loader(stacked.gate_up_proj, gate_up)
+        stacked.weight_loader(stacked.down_proj, down)
+        for e in range(experts):
+            gate, up = gate_up[e].chunk(2)
+            per_expert.weight_loader(per_expert.gate_up_proj, gate, (e, "gate"))
+            per_expert.weight_loader(per_expert.gate_up_proj, up, (e, "up"))
+            per_expert.weight_loader(per_expert.down_proj, down[e], (e, "down"))
+        assert torch.equal(stacked.gate_up_proj, per_expert.gate_up_proj)
+        assert torch.equal(stacked.down_proj, per_expert.down_proj)
+
+
+def test_num_experts_per_tok_past_num_experts_is_an_error(tmp_path):
+    """More experts per token than there are is refused before anything is built, with both numbers."""
+    path = make_random_checkpoint(tmp_path / "moe", "tiny-qwen3-moe", num_experts=4, num_experts_per_tok=5,
+                                  with_weights=False)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=5 must be in \[1, num_experts=4\]"):
+        LLM(str(path), load_format="dummy")
+
+
 def test_moe_intermediate_size_must_divide_by_tp(tmp_path):
     path = make_random_checkpoint(tmp_path / "moe", "tiny-qwen3-moe", moe_intermediate_size=33)
     with pytest.raises(ValueError, match="moe_intermediate_size=33 does not divide by tensor_parallel_size=2"):
