@@ -130,6 +130,20 @@ def test_llama3_rope_reads_a_top_level_original_context():
     assert not torch.equal(rope_inv_freq(SimpleNamespace(**legacy), 16), expected)
 
 
+@pytest.mark.parametrize("in_rope_parameters", [None, 1024])
+def test_llama3_rope_takes_a_top_level_original_context_first(tmp_path, in_rope_parameters):
+    """A config.json with original_max_position_embeddings at the top level (Phi-3 and others keep it there), and
+    in rope_parameters none (transformers then fills in max_position_embeddings as it reads) or another value: the
+    model Hugging Face builds takes the top-level value, and so must the engine."""
+    path = make_random_checkpoint(tmp_path / "llama", "tiny-llama")
+    config = json.loads((path / "config.json").read_text())
+    config["original_max_position_embeddings"] = config["rope_parameters"].pop("original_max_position_embeddings")
+    if in_rope_parameters is not None:
+        config["rope_parameters"]["original_max_position_embeddings"] = in_rope_parameters
+    (path / "config.json").write_text(json.dumps(config))
+    check_against_hf(path)
+
+
 def test_partial_rotary_factor_is_an_error():
     """Rope over part of each head (partial_rotary_factor < 1) is not implemented: refused, never run as rope
     over the whole head, whether the factor sits at the top of the config or in rope_parameters."""

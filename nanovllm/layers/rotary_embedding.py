@@ -39,10 +39,13 @@ def rope_parameters(hf_config) -> dict:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None)
     if params["rope_theta"] is None:
         raise ValueError("the checkpoint's config.json gives no rope_theta (nor rope_parameters.rope_theta)")
-    if params["rope_type"] == "llama3" and "original_max_position_embeddings" not in params:
-        # as transformers does: a top-level field wins, else the model's own context length
-        params["original_max_position_embeddings"] = getattr(
-            hf_config, "original_max_position_embeddings", hf_config.max_position_embeddings)
+    if params["rope_type"] == "llama3":
+        # as transformers does: a top-level field wins over the dict's (Phi-3 and others keep it there; transformers
+        # fills the dict with max_position_embeddings when it reads such a config), then the model's context length
+        top_level = getattr(hf_config, "original_max_position_embeddings", None)
+        if top_level is not None:
+            params["original_max_position_embeddings"] = top_level
+        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
     return params
 
 
