@@ -53,6 +53,8 @@ FAMILIES = {
     # an eps large against the hidden states' mean square, so that every RMSNorm (q/k norms included) shows
     # in the tokens whether it uses the config's rms_norm_eps; at 1e-5 against 1e-6 the logits barely move
     "qwen3-large-rms-norm-eps": ("tiny", dict(rms_norm_eps=0.1)),
+    # heads wider than hidden_size / num_attention_heads, as Qwen3's own (128 against 1024 / 16)
+    "qwen3-wide-heads": ("tiny", dict(head_dim=32)),
 }
 
 
