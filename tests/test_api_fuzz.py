@@ -1,7 +1,7 @@
 """The public API under random interleavings: submits consumed fast, slowly or abandoned, aborts, generate
 from two threads at once, under random block sizes, token budgets and caches small enough to preempt.
 Every call ends in time, every handle finishes exactly once, the cache is whole again when idle, and greedy
-or seeded outputs equal those of the same request run alone."""
+or seeded outputs equal those of the same request run alone (greedy ones up to a tie of float32 rounding)."""
 import threading
 import time
 
