@@ -213,3 +213,29 @@ def test_unknown_rope_type_and_activation_are_errors(tmp_path):
 def test_gelu_mlp_matches_hf(tmp_path):
     path = make_random_checkpoint(tmp_path / "gelu", "tiny-llama", hidden_act="gelu_pytorch_tanh")
     check_against_hf(path)
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "swish", "gelu", "gelu_pytorch_tanh"])
+def test_gated_activations_are_transformers_own(hidden_act):
+    """Each `hidden_act` name that the engine takes means what transformers' ACT2FN means by it (the tiny models'
+    greedy tokens cannot tell exact gelu from its tanh approximation)."""
+    from transformers.activations import ACT2FN
+    from nanovllm.layers.activation import gated_activation
+    gate, up = torch.randn(2, 8, 256, generator=torch.Generator().manual_seed(0)) * 3
+    # (to float32's rounding: the gate is a strided half of the merged projection, which the kernels vectorize
+    # differently; exact gelu and its tanh approximation differ by up to 1e-3)
+    torch.testing.assert_close(gated_activation(hidden_act)(torch.cat([gate, up], -1)), ACT2FN[hidden_act](gate) * up)
+
+
+def test_rms_norm_in_bfloat16_is_transformers_own():
+    """In bf16 the norm rounds as Hugging Face's does (the normalized x to bf16, then times the weight): the CPU
+    tests' float32 models cannot tell the order of the rounding apart."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    from nanovllm.layers.layernorm import RMSNorm
+    gen = torch.Generator().manual_seed(0)
+    ours, theirs = RMSNorm(64, 1e-6).to(torch.bfloat16), Qwen3RMSNorm(64, 1e-6).to(torch.bfloat16)
+    weight = 1 + 0.1 * torch.randn(64, generator=gen)
+    ours.weight.data.copy_(weight)
+    theirs.weight.data.copy_(weight)
+    x = (3 * torch.randn(32, 64, generator=gen)).to(torch.bfloat16)
+    assert torch.equal(ours(x), theirs(x))

@@ -65,6 +65,19 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
         assert [o["token_ids"] for o in llm.generate(batch, params, use_tqdm=False)] == expected, controls
 
 
+def test_a_rows_controls_hold_beside_rows_without_them(llm):
+    """A batch mixes requests with and without top-k, top-p or min-p: each row gets its own (top_k=1, a tiny top_p
+    and min_p=1 are greedy), and a row without them keeps every token."""
+    batch = prompts(6)
+    expected = [o["token_ids"] for o in llm.generate(batch, greedy(), use_tqdm=False)]
+    plain = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, seed=0)
+    for controls in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        controlled = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, **controls)
+        got = [o["token_ids"] for o in llm.generate(batch, [controlled, plain] * 3, use_tqdm=False)]
+        assert got[::2] == expected[::2], controls
+        assert all(g != e for g, e in zip(got[1::2], expected[1::2])), controls  # the plain rows sample
+
+
 def allowed_set(probs: torch.Tensor, top_k=0, top_p=1.0, min_p=0.0, slack=1e-5) -> set[int]:
     """The tokens that min-p, top-k and top-p keep, computed directly from probabilities (with slack at the
     edges for the engine's own rounding)."""
@@ -331,6 +344,19 @@ def test_chat_applies_the_template(llm):
                      "{% if shout %}!{% endif %}", chat_template_kwargs={"shout": True}, use_tqdm=False)
     expected = llm.generate([llm.tokenizer.encode("be briefhello there!")], greedy(), use_tqdm=False)
     assert plain[0]["token_ids"] == expected[0]["token_ids"]
+
+
+def test_chat_without_the_generation_prompt(llm):
+    """add_generation_prompt=False reaches the template: the prompt ends with the last message, no assistant turn
+    opened (to continue a message, as vLLM's chat)."""
+    conversation = [{"role": "user", "content": "hello there"}]
+    templated = llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+    assert "assistant" not in templated
+    prompt = llm.tokenizer.encode(templated, add_special_tokens=False)
+    assert llm.apply_chat_template(conversation, add_generation_prompt=False) == prompt
+    expected = llm.generate([prompt], greedy(), use_tqdm=False)
+    got = llm.chat(conversation, greedy(), add_generation_prompt=False, use_tqdm=False)
+    assert got[0]["token_ids"] == expected[0]["token_ids"]
 
 
 def test_chat_without_a_template_is_a_clear_error(llm, monkeypatch):

@@ -134,6 +134,29 @@ def test_a_stream_holds_back_what_may_start_a_stop_string(tokenizer):
     assert handle.result(timeout=0)["text"] == "a"
 
 
+@pytest.fixture(scope="module")
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (as Llama's and Mistral's): "▁" marks a space, which a decode drops before
+    its first token, so a token's text depends on what comes before it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    backend.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 5,
+                                trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_pieces_keep_the_spaces_of_a_sentencepiece_tokenizer(metaspace_tokenizer):
+    """Each piece is decoded with the token before it as context: a stream of " quick" must not lose its space,
+    and the pieces add up to the whole decode."""
+    token_ids = metaspace_tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    detokenizer = IncrementalDetokenizer(metaspace_tokenizer, threading.Lock())
+    pieces = [detokenizer.push([token_id]) for token_id in token_ids]
+    assert pieces[:3] == ["the", " quick", " brown"]
+    assert "".join(pieces) == metaspace_tokenizer.decode(token_ids) == "the quick brown fox jumps over the lazy dog"
+
+
 def test_a_listener_gets_each_increment_as_it_is_made(tokenizer):
     counting = CountingTokenizer(tokenizer)
     handle = make_handle(counting)

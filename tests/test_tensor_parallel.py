@@ -113,15 +113,73 @@ def test_heads_that_do_not_divide_are_refused(tiny_model, tmp_path):
         LLM(str(path), tensor_parallel_size=4)
 
 
+def built_on_ranks(monkeypatch, module, tp: int, make) -> list:
+    """make() as each of `tp` ranks builds it (`module`'s tp_rank and tp_size patched)."""
+    layers = []
+    for rank in range(tp):
+        monkeypatch.setattr(module, "tp_rank", lambda: rank)
+        monkeypatch.setattr(module, "tp_size", lambda: tp)
+        layers.append(make())
+    return layers
+
+
 def ranks_of(monkeypatch, tp: int, **layer_args) -> list:
     """The QKV layer of each of `tp` ranks, built as that rank would build it (no process group needed)."""
     from nanovllm.layers import linear
-    layers = []
-    for rank in range(tp):
-        monkeypatch.setattr(linear, "tp_rank", lambda: rank)
-        monkeypatch.setattr(linear, "tp_size", lambda: tp)
-        layers.append(linear.QKVParallelLinear(**layer_args))
-    return layers
+    return built_on_ranks(monkeypatch, linear, tp, lambda: linear.QKVParallelLinear(**layer_args))
+
+
+def at_once_on_ranks(monkeypatch, calls: list) -> list:
+    """What each call (one a rank) returns when they run at once in threads, dist.all_reduce summing across them:
+    the ranks of a layer without a process group."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    import torch
+    import torch.distributed as dist
+    barrier, parts = threading.Barrier(len(calls), timeout=10), {}
+
+    def all_reduce(y):
+        parts[threading.get_ident()] = y
+        barrier.wait()
+        total = torch.stack(list(parts.values())).sum(0)
+        barrier.wait()
+        y.copy_(total)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+def test_row_parallel_ranks_sum_to_the_whole_layer_with_one_bias_and_one_residual(monkeypatch):
+    """Each rank of a row-parallel projection (o_proj, down_proj) holds a slice of the input dimension; summed over
+    the ranks, the output is the whole layer's, its bias counted once and the residual added once (the residual is
+    what the GPU's decode steps pass; the CPU engines never do)."""
+    import torch
+    from nanovllm.layers import linear
+    tp, gen = 2, torch.Generator().manual_seed(0)
+    weight, bias, x, residual = (torch.randn(*shape, generator=gen) for shape in ((6, 8), (6,), (3, 8), (3, 6)))
+    layers = built_on_ranks(monkeypatch, linear, tp, lambda: linear.RowParallelLinear(8, 6, bias=True))
+    for layer in layers:
+        layer.weight_loader(layer.weight, weight)
+        layer.weight_loader(layer.bias, bias)
+    for kwargs, expected in (({}, x @ weight.T + bias), ({"residual": residual}, x @ weight.T + bias + residual)):
+        for out in at_once_on_ranks(monkeypatch, [lambda layer=layer, part=part: layer(part, **kwargs)
+                                                  for layer, part in zip(layers, x.chunk(tp, 1))]):
+            torch.testing.assert_close(out, expected)
+
+
+def test_vocab_parallel_embedding_looks_each_id_up_on_one_rank(monkeypatch):
+    """A vocabulary of 7 over 2 ranks (4 rows each, the last one padding): every id, those at the edge of a rank's
+    slice included, gets its own row, from the rank that holds it."""
+    import torch
+    from nanovllm.layers import embed_head
+    weight = torch.randn(7, 4, generator=torch.Generator().manual_seed(0))
+    layers = built_on_ranks(monkeypatch, embed_head, 2, lambda: embed_head.VocabParallelEmbedding(7, 4))
+    for layer in layers:
+        layer.weight_loader(layer.weight, weight)
+    ids = torch.tensor([0, 3, 4, 6, 3])
+    for rows in at_once_on_ranks(monkeypatch, [lambda layer=layer: layer(ids) for layer in layers]):
+        assert torch.equal(rows, weight[ids])
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated_to_the_ranks_that_read_them(monkeypatch):
@@ -174,6 +232,9 @@ def _slow_worker(name: str, semaphores, queue):
         method_name, args = channel.receive()
         if method_name == "exit":
             break
+        if method_name == "_attach_shm":  # the buffer grew: what ModelRunner does
+            channel.attach(*args)
+            continue
         received.append(args)
         time.sleep(random.random() * 1e-3)  # still busy when rank 0 posts again
     queue.put(received)
@@ -192,18 +253,40 @@ def channel_to(worker_fn, *args, monkeypatch) -> tuple[tp_channel.Channel, mp.Pr
     return channel, worker
 
 
+def calls_reach_the_worker(channel: tp_channel.Channel, worker: mp.Process, queue, sent: list):
+    """Rank 0 posts `sent` and "exit"; the worker must have received `sent`. Fails, not hangs, when a worker that
+    died leaves a post waiting for good, and kills a worker still waiting after a failure (pytest's exit would
+    wait for it)."""
+    def post_all():
+        for args in sent:
+            channel.post("run", *args)
+        channel.post("exit")
+
+    try:
+        within(60, post_all)
+        assert queue.get(timeout=60) == sent
+    finally:
+        worker.join(10)
+        worker.kill()
+        channel.close()
+
+
 def test_a_call_posted_while_a_worker_is_busy_waits_for_it(monkeypatch):
     # with overlap scheduling rank 0 posts step N+1 while a worker may still be launching step N, and NCCL does
     # not make rank 0 wait for the worker: the channel must not write over a call nobody has taken
     queue = mp.get_context("spawn").Queue()
     channel, worker = channel_to(_slow_worker, queue, monkeypatch=monkeypatch)
-    sent = [[i, list(range(i % 50))] for i in range(300)]
-    for args in sent:
-        channel.post("run", *args)
-    channel.post("exit")
-    assert queue.get(timeout=60) == sent
-    worker.join(10)
-    channel.close()
+    calls_reach_the_worker(channel, worker, queue, [[i, list(range(i % 50))] for i in range(300)])
+
+
+def test_calls_of_every_size_reach_the_worker(monkeypatch):
+    """A call of any length gets through, the buffer growing as needed: those within a header of the buffer's
+    size, and one more than twice its size at once."""
+    monkeypatch.setattr(tp_channel, "SHM_SIZE", 256)
+    queue = mp.get_context("spawn").Queue()
+    channel, worker = channel_to(_slow_worker, queue, monkeypatch=monkeypatch)
+    sizes = [*range(600), 5000]  # past 256 and 512 a byte at a time, then past twice the buffer at once
+    calls_reach_the_worker(channel, worker, queue, [[b"x" * n] for n in sizes])
 
 
 def _waiting_worker(name: str, semaphores, took_one):
