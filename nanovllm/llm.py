@@ -6,12 +6,13 @@ from nanovllm.sampling_params import SamplingParams
 class LLM(LLMEngine):
 
     def chat(self, conversations: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[dict]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
-        through the tokenizer's chat template; returns one output per conversation, as `generate()`.
-        `chat_template_kwargs` go to the template (Qwen3's `enable_thinking`, say), as in vLLM."""
+        through the tokenizer's chat template; returns one output per conversation, as `generate()` (and its
+        progress bar, on a terminal only by default). `chat_template_kwargs` go to the template (Qwen3's
+        `enable_thinking`, say) and win over `add_generation_prompt`, as in vLLM."""
         if not isinstance(conversations, (list, tuple)) or not conversations:
             raise TypeError("conversations must be a non-empty list of messages, or a list of such lists")
         if isinstance(conversations[0], dict):
@@ -30,8 +31,8 @@ class LLM(LLMEngine):
                 isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
             raise TypeError("each conversation must be a list of {'role': ..., 'content': ...} dicts")
         with self._tokenizer_lock:
-            text = self.tokenizer.apply_chat_template(
-                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, **(chat_template_kwargs or {}))
+            kwargs = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
+            text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, chat_template=chat_template,
+                                                      **kwargs)
             # the template wrote the special tokens already
             return self.tokenizer.encode(text, add_special_tokens=False)

@@ -357,6 +357,14 @@ def test_chat_without_the_generation_prompt(llm):
     expected = llm.generate([prompt], greedy(), use_tqdm=False)
     got = llm.chat(conversation, greedy(), add_generation_prompt=False, use_tqdm=False)
     assert got[0]["token_ids"] == expected[0]["token_ids"]
+    # as in vLLM, chat_template_kwargs win over the argument (run_batch passes the body's through)
+    assert llm.apply_chat_template(conversation, chat_template_kwargs={"add_generation_prompt": False}) == prompt
+
+
+def test_chat_shows_no_progress_bar_on_redirected_stderr(llm, capsys):
+    """chat's progress bar follows generate's default: on a terminal only, so redirected output stays clean."""
+    llm.chat([{"role": "user", "content": "hi"}], greedy(2))
+    assert "Generating" not in capsys.readouterr().err
 
 
 def test_chat_without_a_template_is_a_clear_error(llm, monkeypatch):
