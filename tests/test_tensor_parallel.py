@@ -400,6 +400,47 @@ def test_a_new_tp_engine_waits_for_an_earlier_ones_collectives_abort(tiny_model,
         assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
 
 
+def test_an_error_on_rank_0_mid_step_ends_the_engine_without_a_hang(tiny_model):
+    # rank 0 raises in its forward while the worker runs the same step: the worker waits for good in a collective
+    # that rank 0 never reaches. The requests fail with the error, later calls say why the engine cannot go on
+    # (instead of running collectives out of step with the worker), and close() does not wait for the worker
+    llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    embed = llm.model_runner.model.model.embed_tokens
+
+    def fails(*args):
+        raise ValueError("injected on rank 0")
+
+    embed.forward = fails
+    with pytest.raises(ValueError, match="injected on rank 0"):
+        within(30, llm.generate, PROMPTS, GREEDY, use_tqdm=False)
+    del embed.forward
+    with pytest.raises(RuntimeError, match="rank 0 failed in a step .*ValueError.*injected on rank 0.*close this "
+                                           "engine"):
+        within(30, llm.generate, PROMPTS, GREEDY, use_tqdm=False)
+    start = time.monotonic()
+    within(30, llm.close)
+    assert time.monotonic() - start < 15
+    assert shm_segments() == [] and not llm.processes[0].is_alive()
+
+
+def test_an_error_on_rank_0_between_steps_leaves_a_tp_engine_usable(tiny_model):
+    # an error on the host after a step's collectives (here in its bookkeeping) leaves the worker in step: the
+    # engine serves the next requests, as it does at TP=1
+    with LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        expected = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        complete = llm.scheduler.complete
+
+        def fails(*args):
+            raise ValueError("injected after the step")
+
+        llm.scheduler.complete = fails
+        with pytest.raises(ValueError, match="injected after the step"):
+            within(30, llm.generate, PROMPTS, GREEDY, use_tqdm=False)
+        llm.scheduler.complete = complete
+        assert [o["token_ids"] for o in within(30, llm.generate, PROMPTS, GREEDY, use_tqdm=False)] == expected
+
+
 def _engine_in_a_process(model: str, queue):
     with LLM(model, kvcache_block_size=16, tensor_parallel_size=2) as llm:
         token_ids = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]

@@ -192,6 +192,11 @@ class LLMEngine:
             self._loop.handles.clear()
             for seq in [*self.scheduler.waiting, *self.scheduler.running]:
                 self.scheduler.abort(seq)
+            if self.model_runner.out_of_step is not None:  # the workers may wait in a collective for good
+                dead = RuntimeError(f"rank 0 failed in a step that its tensor-parallel workers ran too ({error!r}), "
+                                    "and they may wait for it for good: close this engine and start a new one")
+                dead.__cause__ = error
+                self._loop.fail(dead)
             raise
 
     def _pipelined_step(self) -> tuple[list[Sequence], int, int]:

@@ -8,8 +8,10 @@
   runs, `fail_and_abort` fails every request in flight and every later call (`WorkerDied`, naming the worker)
   first, then aborts the collectives (a freed collective returns garbage). `COLLECTIVES_ABORT` is held meanwhile,
   and a new tensor-parallel engine in this process waits for it (`check_no_process_group`).
+- rank 0 fails in a step: the workers ran the same step and may wait for good in a collective that rank 0 never
+  reached, so the engine fails every later call (`LLMEngine._step`, after `ModelRunner.out_of_step`).
 - shut down: `shutdown` aborts the requests in flight, then asks the workers to exit, or kills them when a step is
-  stuck or a worker is gone, and reaps them (`stop_workers`).
+  stuck, a worker is gone or rank 0 left a step, and reaps them (`stop_workers`).
 """
 import os
 import socket
@@ -162,13 +164,14 @@ def shutdown(loop: EngineLoop, watch: WorkerWatch, model_runner: ModelRunner, pr
     steps_stopped = loop.stop(CLOSE_TIMEOUT)  # every request in flight finishes now, as aborted
     watch.stop()
     try:
-        if steps_stopped and all(process.is_alive() for process in processes):
+        if steps_stopped and model_runner.out_of_step is None and all(process.is_alive() for process in processes):
             try:
                 model_runner.call("exit")
                 return
             except Exception:  # a worker died after all (its socket closes before it is reaped): tear down alone
                 pass
-        # a step still runs, or a worker is gone: no collective can complete; tear down this rank alone
+        # a step still runs, a worker is gone, or rank 0 left a step that the workers still run: no collective can
+        # complete; tear down this rank alone
         for process in processes:
             process.kill()  # which also ends a collective that a stuck step waits in
         model_runner.exit(workers_alive=False)
