@@ -112,6 +112,16 @@ def assert_greedy_matches_hf(hf_model, prompt_ids: list[int], output_ids: list[i
     assert gap.max().item() <= atol, f"token {gap.argmax().item()} is {gap.max().item():.2e} below HF's argmax"
 
 
+def built_on_ranks(monkeypatch, module, tp: int, make) -> list:
+    """make() as each of `tp` ranks builds it (`module`'s tp_rank and tp_size patched)."""
+    layers = []
+    for rank in range(tp):
+        monkeypatch.setattr(module, "tp_rank", lambda: rank)
+        monkeypatch.setattr(module, "tp_size", lambda: tp)
+        layers.append(make())
+    return layers
+
+
 def in_background(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
     """fn(*args, **kwargs) started on a daemon thread; the dict gets its "value" or its "error" when it ends."""
     outcome = {}

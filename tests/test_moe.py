@@ -15,7 +15,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.moe import SparseMoeBlock, experts_torch, route
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import assert_greedy_matches_hf, compile_for_sm90
+from tests.conftest import assert_greedy_matches_hf, built_on_ranks, compile_for_sm90
 from tests.test_models import PROMPTS, check_against_hf, hf_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,9 +101,8 @@ def test_stacked_expert_tensors_shard_as_per_expert_ones(monkeypatch):
     experts, hidden, inter, tp = 3, 8, 6, 2
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen)
     down = torch.randn(experts, hidden, inter, generator=gen)
-    monkeypatch.setattr(moe, "tp_size", lambda: tp)
-    for rank in range(tp):
-        monkeypatch.setattr(moe, "tp_rank", lambda: rank)
+
+    def both_loaded():
         stacked, per_expert = moe.StackedExperts(experts, hidden, inter), moe.StackedExperts(experts, hidden, inter)
         stacked.weight_loader(stacked.gate_up_proj, gate_up)
         stacked.weight_loader(stacked.down_proj, down)
@@ -112,6 +111,9 @@ def test_stacked_expert_tensors_shard_as_per_expert_ones(monkeypatch):
             per_expert.weight_loader(per_expert.gate_up_proj, gate, (e, "gate"))
             per_expert.weight_loader(per_expert.gate_up_proj, up, (e, "up"))
             per_expert.weight_loader(per_expert.down_proj, down[e], (e, "down"))
+        return stacked, per_expert
+
+    for stacked, per_expert in built_on_ranks(monkeypatch, moe, tp, both_loaded):
         assert torch.equal(stacked.gate_up_proj, per_expert.gate_up_proj)
         assert torch.equal(stacked.down_proj, per_expert.down_proj)
 

@@ -12,7 +12,7 @@ import nanovllm
 import nanovllm.engine.tp_channel as tp_channel
 from nanovllm import SamplingParams
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import (assert_greedy_matches_hf, in_background, in_processes,
+from tests.conftest import (assert_greedy_matches_hf, built_on_ranks, in_background, in_processes,
                             kill_the_worker_as_rank_0_sizes_its_cache, kill_worker_while_decoding, shm_segments,
                             within)
 
@@ -111,16 +111,6 @@ def test_heads_that_do_not_divide_are_refused(tiny_model, tmp_path):
                                   with_weights=False)
     with pytest.raises(ValueError, match="the model.s num_key_value_heads=3 neither divides by tensor_parallel_size=4"):
         LLM(str(path), tensor_parallel_size=4)
-
-
-def built_on_ranks(monkeypatch, module, tp: int, make) -> list:
-    """make() as each of `tp` ranks builds it (`module`'s tp_rank and tp_size patched)."""
-    layers = []
-    for rank in range(tp):
-        monkeypatch.setattr(module, "tp_rank", lambda: rank)
-        monkeypatch.setattr(module, "tp_size", lambda: tp)
-        layers.append(make())
-    return layers
 
 
 def ranks_of(monkeypatch, tp: int, **layer_args) -> list:
