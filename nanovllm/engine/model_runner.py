@@ -150,7 +150,7 @@ class ModelRunner:
                 self.graphs.tokens if self.graphs is not None else None)
 
         self.channel = Channel(shm_name, rank, semaphores) if self.world_size > 1 else None
-        # rank 0: the error that ended its part of a call the workers run too (`_beside_workers`), if one did
+        # rank 0: the error that ended its part of a step that the workers run too (`run`), if one did
         self.out_of_step: BaseException | None = None
         # what exists now (weights, graphs, compiled code) lives as long as the engine: frozen out of the garbage
         # collector's sight, a full collection while serving walks only what serving made (`exit` thaws it)
@@ -250,22 +250,9 @@ class ModelRunner:
         self.channel.attach(name)
 
     def call(self, method_name: str, *args):
-        if self.channel is None or self.rank:
-            return getattr(self, method_name)(*args)
-        self.channel.post(method_name, *args)
-        with self._beside_workers():
-            return getattr(self, method_name)(*args)
-
-    @contextmanager
-    def _beside_workers(self):
-        """Rank 0's part of a call that the workers run too. When it raises, they may wait for good in a collective
-        that rank 0 never reaches, and the next call's collectives would pair with theirs out of step (gloo then
-        aborts the process on mismatched sizes): the engine cannot go on (`out_of_step`)."""
-        try:
-            yield
-        except BaseException as error:
-            self.out_of_step = error
-            raise
+        if self.world_size > 1 and self.rank == 0:
+            self.channel.post(method_name, *args)
+        return getattr(self, method_name)(*args)
 
     # ---- KV cache and warm-up -----------------------------------------------------------------------
     def allocate_kv_cache(self):
@@ -349,8 +336,14 @@ class ModelRunner:
         if self.channel is None:
             return self.run_step(inputs, sampling)
         self.channel.post("run_step", inputs)
-        with self._beside_workers():
+        try:
             return self.run_step(inputs, sampling)
+        except BaseException as error:
+            # the workers run this step too and may wait for good in a collective that rank 0 never reaches; the
+            # next step's collectives would pair with theirs out of step (gloo aborts the process on mismatched
+            # sizes): the engine cannot go on
+            self.out_of_step = error
+            raise
 
     @torch.inference_mode()
     def run_step(self, inputs: StepInputs, sampling: list[Sequence] = ()) -> StepOutput | None:
