@@ -3,7 +3,11 @@ decode step must read (the weights once plus every running sequence's KV), again
 measured in the same run (`decode_attention.copy_bandwidth`). The method of `../shared/gpu/step_profile.py`
 (which wraps `LLM.step`; `generate` runs `LLMEngine._step`, wrapped here).
 
-    python benchmarks/step_profile.py [--num-seqs 256] [--kv-cache-dtype auto]
+    python benchmarks/step_profile.py [--num-seqs 256] [--kv-cache-dtype auto] [--profile-steps 10]
+
+--profile-steps N: torch.profiler over the run's first N steps (bench.py's prompts go in its first 9): the GPU's idle
+time between them and its largest gaps (the host late: what ran before and after each), and what each kernel adds to
+the critical path (`profile_decode.chain`).
 
 With overlap scheduling a step's time is from its launch to the end of the call that also completed the step
 before it: the sum over steps is the run's time less the loop's own work."""
@@ -11,7 +15,11 @@ import argparse
 import time
 from random import randint, seed
 
+import torch
+from torch.profiler import ProfilerActivity, profile
+
 from decode_attention import copy_bandwidth  # (this folder: python puts a script's own folder on the path)
+from profile_decode import STEP_GAP_US, chain, device_idle, device_records
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
@@ -22,6 +30,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--profile-steps", type=int, default=0, help="profile the first N steps (0: none)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     llm = LLM(str(default_checkpoint("qwen3-0.6b")), max_model_len=4096, kv_cache_dtype=args.kv_cache_dtype)
@@ -32,12 +41,18 @@ def main():
     llm.generate(["warm"], SamplingParams(), use_tqdm=False)
     records = []  # (prefill tokens, decode tokens, seconds, tokens in the running sequences)
     step = llm._step
+    prof = profile(activities=[ProfilerActivity.CUDA]) if args.profile_steps else None
 
     def timed_step():
         context = sum(seq.num_tokens for seq in llm.scheduler.running)
+        if prof is not None and not records:
+            prof.start()
         start = time.perf_counter()
         result = step()
         records.append((result[1], result[2], time.perf_counter() - start, context))
+        if prof is not None and len(records) == args.profile_steps:
+            torch.cuda.synchronize()
+            prof.stop()
         return result
     llm._step = timed_step
     start = time.perf_counter()
@@ -65,6 +80,25 @@ def main():
     seconds = sum(r[2] for r in decode)
     floor = sum(weights + r[3] * kv_per_token for r in decode) / bandwidth / 1e12
     print(f"decode-only: {len(decode)} steps, {seconds:.2f} s, floor {floor:.2f} s ({floor / seconds:.0%} of floor)")
+    if prof is not None:
+        print_profile(device_records(prof), args.profile_steps, records[:args.profile_steps])
+
+
+def print_profile(spans: list[tuple[str, float, float]], steps: int, records: list[tuple]):
+    """The profiled steps: their wall times, the GPU's idle time and largest gaps, the critical path's kernels."""
+    print(f"first {steps} steps, (prefill tokens, decode tokens, ms):",
+          [(r[0], r[1], round(r[2] * 1e3, 1)) for r in records])
+    print(device_idle(spans, steps))
+    gaps, latest, before = [], None, ""
+    for name, start, end in sorted(spans, key=lambda span: span[1]):
+        if latest is not None and start - latest > STEP_GAP_US:
+            gaps.append((start - latest, before[:40], name[:40]))
+        if latest is None or end > latest:
+            latest, before = end, name
+    for gap, before, after in sorted(gaps, reverse=True)[:8]:
+        print(f"  idle {gap / 1e3:.2f} ms after {before} before {after}")
+    for name, count, us in chain(spans, steps)[:12]:
+        print(f"  {us / 1e3:8.3f} ms/step {count:6.1f}/step  {name}")
 
 
 if __name__ == "__main__":
