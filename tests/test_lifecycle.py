@@ -225,6 +225,49 @@ def test_every_later_call_names_the_first_failure():
         loop.check()
 
 
+def test_stop_on_the_loop_thread_itself_returns_instead_of_failing():
+    """An engine dropped while its loop thread holds the last reference is finalized on that thread: stop()
+    cannot wait for the thread it runs on, and returns True (no step runs beside it) instead of raising."""
+    outcome = {}
+
+    class Engine:
+        def _run_once(self):
+            outcome["stopped"] = loop.stop(timeout=5)
+            return False
+
+    engine = Engine()
+    loop = EngineLoop(engine)
+    loop.start()
+    loop.thread.join(10)
+    assert not loop.thread.is_alive()
+    assert outcome == {"stopped": True} and loop.error is None
+
+
+def test_a_failed_loop_fails_each_request_once_and_lets_go_of_it():
+    """fail() finishes every request in flight (taken in or still in the inbox) with the error, and the table
+    lets go of them: a dead engine that its caller keeps does not keep their sequences and outputs."""
+    failures = []
+
+    class Handle:
+        def __init__(self, request_id):
+            self.request_id = request_id
+
+        def _on_error(self, error):
+            failures.append((self.request_id, error))
+
+    class Engine:
+        pass
+
+    engine, error = Engine(), RuntimeError("a worker died")
+    loop = EngineLoop(engine)
+    loop.post("add", Handle(1))
+    loop.take_inbox()
+    loop.post("add", Handle(2))
+    loop.fail(error)
+    assert sorted(failures, key=lambda f: f[0]) == [(1, error), (2, error)]
+    assert loop.handles == {} and loop.inbox == []
+
+
 def test_a_step_racing_close_returns_what_it_finished(tiny_model, monkeypatch):
     llm = LLM(tiny_model, kvcache_block_size=16)
     handle = llm.add_request(PROMPT, GREEDY)

@@ -278,6 +278,18 @@ def test_output_problems_are_clear_errors_before_any_work(llm, tiny_model, tmp_p
     assert "the output file is the input file" in capsys.readouterr().err
 
 
+def test_closing_the_results_file_twice_closes_nothing_else(tmp_path):
+    """close() is idempotent: a second call neither fails nor closes the file that took the descriptor's number."""
+    results = ResultsFile.open(str(tmp_path / "out.jsonl"))
+    results.close()
+    other = os.open(tmp_path / "other", os.O_CREAT | os.O_WRONLY)  # most likely takes the number just freed
+    try:
+        results.close()
+        os.fstat(other)  # still open
+    finally:
+        os.close(other)
+
+
 def test_results_are_written_while_input_still_streams(llm, tiny_model, tmp_path):
     fifo = tmp_path / "requests.fifo"
     os.mkfifo(fifo)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.batch.results import ResultsFile
 from nanovllm.run_batch import main
 from tests.batch_util import choices, read_results, request, write_lines
 from tests.conftest import within
@@ -146,3 +147,18 @@ def test_output_key_round_trip():
     assert output_key(error_line(None, 12, "invalid_json", "x")) == request_key(None, 12)
     assert output_key(error_line("a", 12, "invalid_url", "x")) == request_key("a", 12)
     assert output_key({"id": "batch_req_lineX", "custom_id": None}) is None
+
+
+def test_blank_lines_of_an_earlier_output_are_read_past(tmp_path):
+    """A blank line in the output file (`echo > out.jsonl` leaves one) is neither a result nor a foreign line:
+    the results around it are read back, and nothing of the file is cut."""
+    out = tmp_path / "out.jsonl"
+    text = ('\n{"id": "batch_req_line1", "custom_id": "a", "error": null}\n\n'
+            '{"id": "batch_req_line2", "custom_id": null, "error": {"code": "invalid_json"}}\n')
+    out.write_text(text)
+    results = ResultsFile.open(str(out))
+    try:
+        assert results.done == {("custom_id", "a"): False, ("line", 2): True}
+    finally:
+        results.close()
+    assert out.read_text() == text

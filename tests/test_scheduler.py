@@ -220,3 +220,16 @@ def test_a_sequence_whose_pending_token_ends_it_holds_back_no_other(tiny_model):
     s.add(b)
     launch(s)
     assert s.schedule() == [b] and b.num_scheduled_tokens == 1
+
+
+@pytest.mark.parametrize("params, token, stop_reason", [
+    (SamplingParams(max_tokens=10), EOS, None),
+    (SamplingParams(max_tokens=10, stop_token_ids=[7]), 7, 7),
+])
+def test_stop_reason_is_none_for_eos_and_the_token_for_a_stop_token(tiny_model, params, token, stop_reason):
+    """As vLLM: a sequence ended by EOS has stop_reason None; one ended by a stop token id has that id."""
+    s = make_scheduler(tiny_model, num_kvcache_blocks=8)
+    seq = Sequence([9] * 4, params)
+    s.add(seq)
+    _, finished = step(s, token)
+    assert finished == [seq] and seq.finish_reason == "stop" and seq.stop_reason == stop_reason
