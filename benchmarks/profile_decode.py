@@ -48,6 +48,18 @@ def device_idle(records: list[tuple[str, float, float]], steps: int) -> str:
             f"{sum(big) / steps / 1e3:.3f} ms/step, largest {max(gaps) / 1e3:.3f} ms")
 
 
+def largest_gaps(records: list[tuple[str, float, float]], count: int) -> list[tuple[float, str, str]]:
+    """The `count` longest idle gaps of more than STEP_GAP_US between device records (name, start, end), longest
+    first: (microseconds, the record that ended last before it, the record after it)."""
+    gaps, latest, before = [], None, ""
+    for name, start, end in sorted(records, key=lambda record: record[1]):
+        if latest is not None and start - latest > STEP_GAP_US:
+            gaps.append((start - latest, before, name))
+        if latest is None or end > latest:
+            latest, before = end, name
+    return sorted(gaps, reverse=True)[:count]
+
+
 def chain(spans: list[tuple[str, float, float]], steps: int) -> list[tuple[str, float, float]]:
     """What each kernel adds to the GPU's critical path, from (name, start, end) records in microseconds: taken in
     order of start, each record moves the latest end seen so far by `end - max(latest, start)`, and a gap before

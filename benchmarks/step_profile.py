@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from decode_attention import copy_bandwidth  # (this folder: python puts a script's own folder on the path)
-from profile_decode import STEP_GAP_US, chain, device_idle, device_records
+from profile_decode import chain, device_idle, device_records, largest_gaps
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
@@ -89,14 +89,8 @@ def print_profile(spans: list[tuple[str, float, float]], steps: int, records: li
     print(f"first {steps} steps, (prefill tokens, decode tokens, ms):",
           [(r[0], r[1], round(r[2] * 1e3, 1)) for r in records])
     print(device_idle(spans, steps))
-    gaps, latest, before = [], None, ""
-    for name, start, end in sorted(spans, key=lambda span: span[1]):
-        if latest is not None and start - latest > STEP_GAP_US:
-            gaps.append((start - latest, before[:40], name[:40]))
-        if latest is None or end > latest:
-            latest, before = end, name
-    for gap, before, after in sorted(gaps, reverse=True)[:8]:
-        print(f"  idle {gap / 1e3:.2f} ms after {before} before {after}")
+    for gap, before, after in largest_gaps(spans, 8):
+        print(f"  idle {gap / 1e3:.2f} ms after {before[:40]} before {after[:40]}")
     for name, count, us in chain(spans, steps)[:12]:
         print(f"  {us / 1e3:8.3f} ms/step {count:6.1f}/step  {name}")
 

@@ -3,7 +3,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from profile_decode import chain  # noqa: E402
+from profile_decode import chain, largest_gaps  # noqa: E402
 
 
 def test_chain_charges_each_kernel_what_it_adds_to_the_critical_path():
@@ -19,6 +19,21 @@ def test_chain_charges_each_kernel_what_it_adds_to_the_critical_path():
     rows = {name: (per_step, us) for name, per_step, us in chain(spans, steps=2)}
     assert rows == {"qkv": (0.5, 5.0), "attn": (1.0, 4.0), "merge": (0.5, 0.0), "gemm": (0.5, 2.0)}
     assert [name for name, *_ in chain(spans, steps=2)] == ["qkv", "attn", "gemm", "merge"]
+
+
+def test_largest_gaps_name_the_record_that_ended_last_before_each():
+    """Idle gaps over STEP_GAP_US, longest first, each after the record that ended last (not the one that started
+    last: a long kernel overlaps a short one launched after it) and before the next to start; shorter ones and
+    overlaps are no gaps; records come in any order."""
+    records = [
+        ("copy", 500.0, 505.0),  # 300 us after long's end
+        ("short", 10.0, 20.0),  # starts after long, ends before it
+        ("long", 0.0, 200.0),
+        ("norm", 610.0, 620.0),  # 105 us after copy
+        ("add", 630.0, 640.0),  # 10 us: inside a step
+    ]
+    assert largest_gaps(records, 5) == [(300.0, "long", "copy"), (105.0, "copy", "norm")]
+    assert largest_gaps(records, 1) == [(300.0, "long", "copy")]
 
 
 def test_kernel_resources_reads_its_tiles():
