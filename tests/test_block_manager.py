@@ -178,3 +178,18 @@ def test_a_hash_collision_is_no_hit(monkeypatch):
     bm.allocate(a)
     computed(bm, a)
     assert bm.allocate(b) and b.num_cached_tokens == 0
+
+
+def test_a_prefix_differing_in_a_blocks_last_token_is_no_hit():
+    """A cached block is shared only by a prompt holding every one of its tokens: one that differs only in
+    the block's last token gets a block of its own (its KV differs)."""
+    bm = BlockManager(10, BS)
+    a = Sequence(list(range(10)))
+    bm.allocate(a)
+    computed(bm, a)
+    b = Sequence([0, 1, 2, 99] + list(range(4, 10)))
+    assert bm.allocate(b)
+    assert b.num_cached_tokens == 0 and b.block_table[0] != a.block_table[0]
+    c = Sequence(list(range(7)) + [99, 8, 9])  # the same first block, the second differs in its last token
+    assert bm.allocate(c)
+    assert c.num_cached_tokens == 4 and c.block_table[0] == a.block_table[0] != c.block_table[1]

@@ -118,6 +118,37 @@ def test_a_cache_one_token_short_of_max_model_len_lowers_it(tiny_model):
             llm.generate([list(range(3, 68))], use_tqdm=False)
 
 
+def test_a_cuda_cache_short_of_max_model_len_is_an_error_only_when_sized_from_memory():
+    """On CUDA, a cache sized from memory (num_kvcache_blocks=-1) that holds fewer tokens than max_model_len is an
+    error naming what to change; a cap the user set (num_kvcache_blocks > 0) lowers max_model_len instead, as on
+    CPU. Either way a cache that holds max_model_len leaves it as it is."""
+    from types import SimpleNamespace
+    from nanovllm.engine.kv_cache import fit_to_blocks
+    sized = SimpleNamespace(device="cuda", num_kvcache_blocks=-1, max_model_len=100)
+    with pytest.raises(ValueError, match="fits 64 tokens .4 blocks of 16., fewer than max_model_len=100"):
+        fit_to_blocks(sized, 4, 16)
+    capped = SimpleNamespace(device="cuda", num_kvcache_blocks=4, max_model_len=100)
+    fit_to_blocks(capped, 4, 16)
+    assert capped.max_model_len == 64 and capped.num_kvcache_blocks == 4
+    roomy = SimpleNamespace(device="cuda", num_kvcache_blocks=-1, max_model_len=100)
+    fit_to_blocks(roomy, 7, 16)
+    assert roomy.max_model_len == 100 and roomy.num_kvcache_blocks == 7
+
+
+def test_a_cpu_cache_is_capped_by_its_share_of_free_ram(monkeypatch):
+    """Sized on CPU with little free RAM, the cache gets as many whole blocks as CPU_KV_CACHE_SHARE of it holds
+    (not that many bytes), and at least one."""
+    from types import SimpleNamespace
+    from nanovllm.engine import kv_cache
+    config = SimpleNamespace(max_num_seqs=512, max_model_len=4096)  # 131072 blocks of 16 would be enough
+    pages = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(kv_cache.os, "sysconf", lambda name: pages[name])
+    assert kv_cache.cpu_blocks(config, 16, 1000) == int(1000 * 4096 * kv_cache.CPU_KV_CACHE_SHARE) // 1000
+    assert kv_cache.cpu_blocks(config, 16, 1 << 30) == 1
+    pages["SC_AVPHYS_PAGES"] = 1 << 40  # RAM enough: max_num_seqs contexts of max_model_len, in whole blocks
+    assert kv_cache.cpu_blocks(SimpleNamespace(max_num_seqs=3, max_model_len=100), 16, 1000) == 19
+
+
 def test_auto_dtype_on_cuda_is_the_checkpoints(tmp_path, monkeypatch):
     """dtype="auto" runs the model on CUDA in the dtype its checkpoint is stored in (on CPU: float32). The Config
     alone, with CUDA faked: it allocates nothing."""

@@ -25,12 +25,22 @@ def test_unknown_engine_argument_is_named(tiny_model):
         LLM(tiny_model, max_num_seq=4)
 
 
+@pytest.mark.parametrize("name, value", [("eos_token_ids", (5,)), ("hf_config", None)])
+def test_fields_the_engine_sets_are_not_engine_arguments(tiny_model, name, value):
+    """eos_token_ids and hf_config are Config fields the engine fills in itself: passed as engine arguments
+    they are unknown ones (a TypeError that names them), not silently overwritten."""
+    with pytest.raises(TypeError, match=f"unknown engine argument\\(s\\) \\['{name}'\\]"):
+        LLM(tiny_model, **{name: value})
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"kvcache_block_size": 24}, "kvcache_block_size=24"),
     ({"max_num_seqs": 0}, "max_num_seqs=0"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization=0 must be in \\(0, 1\\]"),
     ({"num_kvcache_blocks": 0}, "num_kvcache_blocks=0"),  # not a silent "size from memory" (that is -1)
+    ({"seed": -1}, "seed=-1 must be >= 0"),
+    ({"tensor_parallel_size": 16}, "tensor_parallel_size=16 must be in \\[1, 8\\]"),  # the limit, not a head count
     ({"device": "tpu"}, "device='tpu'"),
     ({"dtype": "float8"}, "dtype='float8'"),
     ({"attention_backend": "nope"}, "attention_backend='nope'"),

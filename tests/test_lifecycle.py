@@ -546,6 +546,24 @@ def test_bad_calls_name_what_was_given(llm, prompts, params, match):
     assert len(llm.generate([PROMPT], GREEDY)[0]["token_ids"]) == 8
 
 
+def test_an_empty_list_of_prompts_generates_nothing(llm):
+    """generate([]) is a batch of no prompts (vLLM returns []), not one empty token-id prompt; an empty prompt
+    inside a batch is still an error."""
+    assert llm.generate([], GREEDY) == [] and llm.generate((), GREEDY) == []
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        llm.generate([[]], GREEDY)
+    assert llm.is_finished()
+
+
+def test_fewer_sampling_params_than_prompts_is_an_error(llm):
+    """A list of sampling params must match the prompts one for one: fewer is an error like more, not a batch
+    cut to the shorter list."""
+    with pytest.raises(ValueError, match="2 sampling params were given for 3 prompts"):
+        llm.generate([PROMPT, [8, 9], [10, 11]], [GREEDY] * 2)
+    assert llm.is_finished()
+    assert len(llm.generate([PROMPT, [8, 9]], [GREEDY] * 2)) == 2
+
+
 def test_numpy_integers_are_token_ids(llm):
     expected = llm.generate([PROMPT], GREEDY)[0]["token_ids"]
     for prompt in (np.array(PROMPT), np.array(PROMPT, dtype=np.int32), [np.int64(t) for t in PROMPT]):

@@ -132,6 +132,17 @@ def test_sharded_checkpoint_mistakes(tmp_path):
         LLM(str(sharded))
 
 
+def test_an_index_without_tensors_is_an_error_that_says_so(tmp_path):
+    """A model.safetensors.index.json whose weight_map is empty (or missing) is named as the problem, rather than
+    read as a checkpoint of no files (which would then lack every weight)."""
+    from nanovllm.utils.loader import checkpoint_files
+    path = make_random_checkpoint(tmp_path / "m", "tiny-llama", with_weights=False)
+    for index in ({"weight_map": {}}, {"metadata": {}}):
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(ValueError, match="model.safetensors.index.json' has no weight_map"):
+            checkpoint_files(str(path))
+
+
 def test_no_weights_is_an_error_that_names_dummy(tmp_path):
     path = make_random_checkpoint(tmp_path / "m", "tiny-llama", with_weights=False)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors files.*load_format='dummy'"):

@@ -185,6 +185,41 @@ def test_body_fields_as_openai_clients_write_them():
         parse_request(request("d", CHAT, messages=conversation, logprobs=True, top_logprobs=21), "d", 4)
 
 
+def test_chat_top_logprobs_needs_logprobs_true_not_just_given():
+    """OpenAI's rule: top_logprobs is taken only with logprobs=true; logprobs=false (or absent) beside top_logprobs
+    is an error, not top_logprobs silently dropped. With logprobs=true it is the number of top logprobs."""
+    conversation = [{"role": "user", "content": "Hi"}]
+    for flag in ({"logprobs": False}, {}):
+        with pytest.raises(LineError, match="top_logprobs needs logprobs=true"):
+            parse_request(request("a", CHAT, messages=conversation, top_logprobs=2, **flag), "a", 1)
+    parsed = parse_request(request("b", CHAT, messages=conversation, logprobs=True, top_logprobs=2), "b", 2)
+    assert parsed.sampling["logprobs"] == 2
+    assert "logprobs" not in parse_request(request("c", CHAT, messages=conversation, logprobs=False), "c", 3).sampling
+
+
+def test_a_message_without_a_string_role_is_a_bad_line():
+    """Each message needs a string role: one without (or with a number) is an invalid_value naming the message,
+    found when the line is parsed, not left to the chat template."""
+    for message in ({"content": "Hi"}, {"role": 5, "content": "Hi"}):
+        conversation = [{"role": "system", "content": "Be brief."}, message]
+        with pytest.raises(LineError, match="messages\\[1\\] must be an object with a string role") as error:
+            parse_request(request("a", CHAT, messages=conversation), "a", 1)
+        assert error.value.code == "invalid_value" and error.value.custom_id == "a"
+
+
+def test_vllm_sampling_fields_reach_the_sampling_params():
+    """vLLM's extra sampling fields in a body are passed to SamplingParams as given, none dropped or rejected as
+    unknown; the OpenAI numbers likewise."""
+    fields = dict(temperature=0.5, top_p=0.9, presence_penalty=0.25, frequency_penalty=-0.5, min_p=0.05,
+                  repetition_penalty=1.1, top_k=7, min_tokens=2, ignore_eos=True, stop_token_ids=[3, 4],
+                  skip_special_tokens=False, seed=11, stop=["\n\n"])
+    for line in (request("a", prompt="x", **fields), request("b", CHAT, messages=[{"role": "user", "content": "x"}],
+                                                             **fields)):
+        parsed = parse_request(line, line["custom_id"], 1)
+        assert parsed.sampling == fields
+        SamplingParams(**parsed.sampling)
+
+
 def test_result_line_usage_and_logprobs():
     """The parts of a result that no engine comparison pins down: cached prompt tokens are summed over every
     choice, a logprob of -inf is clamped to MIN_LOGPROB (JSON has no -inf: json.dumps would write the invalid
@@ -508,6 +543,16 @@ def test_counts_below_one_are_command_line_errors(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["-i", inp, "-o", str(tmp_path / "out"), "--model", "m", flag, "0"])
         assert exit_info.value.code == 2 and f"{flag}=0 must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_input_file_is_a_command_line_error(tmp_path, capsys):
+    """An input file that does not exist is exit 2 with a message naming it, before any work: no output file is
+    made and no model is loaded."""
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["-i", missing, "-o", str(tmp_path / "out"), "--model", "m"])
+    assert exit_info.value.code == 2 and f"input file {missing!r} does not exist" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

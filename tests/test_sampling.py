@@ -3,6 +3,7 @@ penalties, special tokens and chat, each checked against the model's own (HF's) 
 import json
 import random
 import shutil
+import sys
 from collections import Counter
 
 import pytest
@@ -47,6 +48,19 @@ def test_plain_rows_take_the_fast_path():
     assert not full.is_plain
     assert full.top_k.tolist() == [64, 3, 64] and full.top_p is None and full.penalties is None
     assert full.banned[2, 1] and not full.banned[:2].any()  # only the row short of min_tokens bans EOS
+
+
+@pytest.mark.parametrize("control", [dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(seed=3), dict(logprobs=0),
+                                     dict(min_tokens=1), dict(presence_penalty=0.5), dict(frequency_penalty=-0.5),
+                                     dict(repetition_penalty=1.3), dict(repetition_penalty=0.8)])
+def test_any_one_control_leaves_the_fast_path(control):
+    """The fast path samples with temperature alone, so a request is plain only when every other control is off:
+    any single one of them (each at a value that changes what is drawn or returned) makes it not plain. Turned-off
+    values (top_k -1 or 0, top_p 1, penalties 0 and 1) and stop strings keep it plain."""
+    assert not SamplingParams(**control).is_plain
+    assert not Sequence([5, 6], SamplingParams(**control)).plain_sampling
+    assert SamplingParams(top_k=-1, top_p=1.0, min_p=0.0, repetition_penalty=1.0, stop=["x"],
+                          stop_token_ids=[3], temperature=0.5).is_plain
 
 
 def test_a_ban_holds_for_every_row_and_logprobs_are_of_the_raw_logits():
@@ -364,6 +378,15 @@ def test_chat_without_the_generation_prompt(llm):
 def test_chat_shows_no_progress_bar_on_redirected_stderr(llm, capsys):
     """chat's progress bar follows generate's default: on a terminal only, so redirected output stays clean."""
     llm.chat([{"role": "user", "content": "hi"}], greedy(2))
+    assert "Generating" not in capsys.readouterr().err
+
+
+def test_generate_shows_a_progress_bar_on_a_terminal_by_default(llm, capsys, monkeypatch):
+    """use_tqdm=None means "when stderr is a terminal": there the bar is shown, and use_tqdm=False still hides it."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    llm.generate(["hi"], greedy(2))
+    assert "Generating" in capsys.readouterr().err
+    llm.generate(["hi"], greedy(2), use_tqdm=False)
     assert "Generating" not in capsys.readouterr().err
 
 

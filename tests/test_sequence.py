@@ -15,3 +15,28 @@ def test_completion_tokens():
     seq.append_token(7)
     seq.append_token(8)
     assert seq.completion_token_ids == [7, 8] and seq.num_completion_tokens == 2 and len(seq) == 5
+
+
+def test_dropping_a_pending_token_restores_the_sequence():
+    """An abort before the pending token arrives leaves the sequence as it was before the step: its tokens,
+    its length, its last token, and no pending row."""
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=4))
+    assert seq.last_token == 3 and not seq.is_pending
+    seq.append_token(7)
+    seq.append_pending(2)
+    assert seq.is_pending and len(seq) == 5
+    seq.drop_pending()
+    assert seq.token_ids == [1, 2, 3, 7] and len(seq) == seq.num_tokens == 4
+    assert seq.last_token == 7 and not seq.is_pending and seq.completion_token_ids == [7]
+    seq.drop_pending()  # nothing pending: nothing changes
+    assert seq.token_ids == [1, 2, 3, 7] and len(seq) == 4
+
+
+def test_blocks_are_whole_slices_of_the_tokens():
+    """Block i holds tokens [i * block_size, (i + 1) * block_size): every token of a full block (the prefix
+    cache hashes and compares exactly these), and the rest in the last one."""
+    tokens = list(range(100, 111))
+    seq = Sequence(tokens)
+    assert seq.num_blocks(4) == 3
+    assert [seq.block(i, 4) for i in range(3)] == [tokens[0:4], tokens[4:8], tokens[8:11]]
+    assert sum(map(len, (seq.block(i, 4) for i in range(seq.num_blocks(4))))) == len(seq)
