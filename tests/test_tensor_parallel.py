@@ -414,6 +414,53 @@ def test_an_error_on_rank_0_mid_step_ends_the_engine_without_a_hang(tiny_model):
     assert shm_segments() == [] and not llm.processes[0].is_alive()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_close_waits_for_a_step_that_a_caller_runs_in_another_thread(tiny_model, tp):
+    # close() from one thread while another is inside its own step() (add_request + step loops): close waits for
+    # that step to end before it tears down, and the caller's next step() says the engine is closed. Before, close
+    # went ahead: at TP=2 its exit barrier and the step's collectives waited for each other for good, at TP=1 it
+    # freed the cache under the step, which failed with a shape error
+    llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=tp)
+    llm.add_request(PROMPTS[1], GREEDY)
+    embed = llm.model_runner.model.model.embed_tokens
+    forward, entered, release = embed.forward, threading.Event(), threading.Event()
+
+    def waits(*args):  # rank 0 inside the step (its worker in the step's first collective)
+        entered.set()
+        release.wait(30)
+        return forward(*args)
+
+    embed.forward = waits
+    stepping, stepped = in_background(llm.step)
+    assert entered.wait(30)
+    closing, closed = in_background(llm.close)
+    closing.join(0.5)
+    assert closing.is_alive()  # waiting for the step
+    release.set()
+    for thread in (stepping, closing):
+        thread.join(30)
+        assert not thread.is_alive()
+    assert "error" not in stepped and "error" not in closed
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        llm.step()
+    assert shm_segments() == [] and not any(process.is_alive() for process in llm.processes)
+
+
+def test_an_interrupt_while_close_waits_still_stops_the_workers(tiny_model, monkeypatch):
+    # a ^C while close() waits for the step in progress propagates, and the workers and the shared memory go all
+    # the same (close runs once: a second close() finds nothing to do)
+    llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
+
+    def interrupted(timeout):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(llm._loop, "stop", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.close()
+    within(30, llm.processes[0].join)
+    assert not llm.processes[0].is_alive() and shm_segments() == []
+    llm.close()
+
+
 def test_an_error_on_rank_0_between_steps_leaves_a_tp_engine_usable(tiny_model):
     # an error on the host after a step's collectives (here in its bookkeeping) leaves the worker in step: the
     # engine serves the next requests, as it does at TP=1

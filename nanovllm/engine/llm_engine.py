@@ -175,6 +175,7 @@ class LLMEngine:
         and its prefill tokens (> 0) or, for a decode-only step, minus its decode tokens."""
         self.check_workers()
         with self._loop.step_lock:
+            self._loop.check()  # close() may have begun while this call waited for the lock
             self._take_inbox()
             finished, num_prefill, num_decode = self._step()
         return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_prefill or -num_decode

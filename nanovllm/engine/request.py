@@ -13,6 +13,7 @@ the requests in flight with `finish_reason="abort"`.
 """
 import asyncio
 import threading
+import time
 import weakref
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
@@ -326,13 +327,21 @@ class EngineLoop:
         self.handles.clear()
 
     def stop(self, timeout: float) -> bool:
-        """Abort every request at once, then let the thread finish its step (waiting at most `timeout` s);
-        True when no step is running any more."""
+        """Abort every request at once, then let the step in progress finish, the thread's or a caller's own
+        `step()` in another thread (waiting at most `timeout` s in all); True when no step is running any more,
+        and none will start (a `step()` that gets the lock after this raises "the engine is closed")."""
         with self.cond:
             self.stopping = True
             self.cond.notify()
         self.finish_all()
-        if self.thread is None or self.thread is threading.current_thread():
-            return True
-        self.thread.join(timeout)
-        return not self.thread.is_alive()
+        if self.thread is threading.current_thread():
+            return True  # (the engine finalized on its own thread, between steps)
+        deadline = time.monotonic() + timeout
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                return False
+        if not self.step_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        self.step_lock.release()
+        return True

@@ -161,7 +161,14 @@ def wait_for_workers(store, processes: list):
 
 
 def shutdown(loop: EngineLoop, watch: WorkerWatch, model_runner: ModelRunner, processes: list):
-    steps_stopped = loop.stop(CLOSE_TIMEOUT)  # every request in flight finishes now, as aborted
+    steps_stopped = False
+    try:
+        steps_stopped = loop.stop(CLOSE_TIMEOUT)  # every request in flight finishes now, as aborted
+    finally:  # a ^C while it waits for a step still tears everything down (close() runs once), then propagates
+        teardown(watch, model_runner, processes, steps_stopped)
+
+
+def teardown(watch: WorkerWatch, model_runner: ModelRunner, processes: list, steps_stopped: bool):
     watch.stop()
     try:
         if steps_stopped and model_runner.out_of_step is None and all(process.is_alive() for process in processes):
