@@ -212,6 +212,30 @@ def test_close_ends_a_request_nobody_took_in(tiny_model):
     assert (out["finish_reason"], out["token_ids"], out["num_cached_tokens"]) == ("abort", [], 0)
 
 
+def test_an_interrupt_while_a_step_takes_requests_in_orphans_none(llm, monkeypatch):
+    """A ^C in a caller's step() while it takes in new requests fails the one it was taking in (its waiters get
+    the interrupt) and leaves the later ones in the inbox, which the next step takes in: no request is left in the
+    table unscheduled, for result() to wait on for good and is_finished() to overlook."""
+    add = llm.scheduler.add
+
+    def interrupted_once(seq):
+        monkeypatch.setattr(llm.scheduler, "add", add)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(llm.scheduler, "add", interrupted_once)
+    first, second = llm.add_request(PROMPT, GREEDY), llm.add_request([8, 9], GREEDY)
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    assert first.finished and first.request_id not in llm._loop.handles
+    with pytest.raises(KeyboardInterrupt):
+        first.result(timeout=0)
+    assert not llm.is_finished()  # the second is still to run
+    while not llm.is_finished():
+        llm.step()
+    assert len(within(10, second.result)["token_ids"]) == 8
+    assert_idle_and_clean(llm)
+    assert llm._loop.handles == {}
+
+
 def test_every_later_call_names_the_first_failure():
     """A second failure (another worker, a later step) does not hide the first, which caused it."""
     class Engine:

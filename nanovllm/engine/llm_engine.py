@@ -147,15 +147,25 @@ class LLMEngine:
         return handles
 
     def _take_inbox(self) -> bool:
-        """Take in new requests and aborts; True when there is work to step."""
-        for kind, handle in self._loop.take_inbox():
-            if kind == "add":  # (take_inbox put it in the table)
-                if not handle.finished:  # (close() may have ended it on its way in)
-                    self.scheduler.add(handle.seq)
-            elif handle.request_id in self._loop.handles:
+        """Take in new requests and aborts; True when there is work to step. An error on the way (a ^C in a
+        caller's `step()`) fails the request it was taking in and leaves the ones after it in the inbox: none is
+        left in the table unfinished and unscheduled, for its waiters to wait on for good."""
+        inbox = self._loop.take_inbox()
+        for i, (kind, handle) in enumerate(inbox):
+            try:
+                if kind == "add":  # (take_inbox put it in the table)
+                    if not handle.finished:  # (close() may have ended it on its way in)
+                        self.scheduler.add(handle.seq)
+                elif handle.request_id in self._loop.handles:
+                    self.scheduler.abort(handle.seq)
+                    handle._end_aborted()  # (if that fails, it fails alone: the rest of the inbox is taken in)
+                    self._loop.handles.pop(handle.request_id, None)  # (close() may have emptied the table)
+            except BaseException as error:
+                self._loop.put_back(inbox[i + 1:])
+                self._loop.handles.pop(handle.request_id, None)
                 self.scheduler.abort(handle.seq)
-                handle._end_aborted()  # (if that fails, it fails alone: the rest of the inbox is taken in)
-                self._loop.handles.pop(handle.request_id, None)  # (close() may have emptied the table)
+                handle._on_error(error)
+                raise
         return not self.scheduler.is_finished() or self._in_flight is not None
 
     def _run_once(self) -> bool:

@@ -268,6 +268,12 @@ class EngineLoop:
                     self.handles[handle.request_id] = handle
         return inbox
 
+    def put_back(self, items: list[tuple[str, RequestHandle]]):
+        """What `take_inbox` gave out and nobody took in, back at the front of the inbox (its new requests stay in
+        the table, where close() finds them)."""
+        with self.cond:
+            self.inbox[:0] = items
+
     def need_progress(self):
         """A reader waits for a request: make sure someone steps (a request from `add_request` is stepped by
         its caller's `step()`, until a reader waits for it)."""
