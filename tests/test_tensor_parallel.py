@@ -303,6 +303,31 @@ def test_a_post_to_a_worker_killed_while_it_waits_does_not_block(monkeypatch):
     channel.close()
 
 
+def fails_where_unpickled():
+    raise RuntimeError("out of memory on the worker")
+
+
+class FailsOnTheWorker:
+    """An argument of a call that raises when the worker reads it: an exception of the worker's own."""
+
+    def __reduce__(self):
+        return fails_where_unpickled, ()
+
+
+def test_a_workers_own_exception_is_named_in_the_error(tiny_model):
+    # an exception that ends a worker is named in the error that calls then raise, beside its exit code (the
+    # process itself may end in an abort after it); before, only the exit code was
+    llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
+    llm.model_runner.channel.post("run", FailsOnTheWorker())
+    within(30, llm.processes[0].join)
+    for _ in range(2):  # the first call and a later one
+        with pytest.raises(RuntimeError, match="worker rank 1 .* died with exit code -?[0-9]+ after RuntimeError: "
+                                               "out of memory on the worker; close this engine"):
+            within(30, llm.generate, PROMPTS[:1], GREEDY, use_tqdm=False)
+    within(30, llm.close)
+    assert shm_segments() == []
+
+
 def test_killed_worker_is_an_error_not_a_hang(tiny_model):
     llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
     llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)

@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 import uuid
 from multiprocessing import connection
 
@@ -51,8 +52,10 @@ def start_workers(config: Config) -> tuple[list, ModelRunner]:
     ctx = mp.get_context("spawn")
     for rank in range(1, config.tensor_parallel_size):
         pair = channel_semaphores(ctx)
-        process = ctx.Process(target=ModelRunner, args=(config, rank, [pair], dist_port, shm_name))
+        reader, writer = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=run_worker, args=(writer, config, rank, [pair], dist_port, shm_name))
         process.start()
+        process.errors, process.error = reader, None  # (what `run_worker` says of its end: `worker_error`)
         processes.append(process)
         semaphores.append(pair)
     # a worker that dies while rank 0 loads and warms up may leave rank 0 in an NCCL collective for good
@@ -73,6 +76,28 @@ def start_workers(config: Config) -> tuple[list, ModelRunner]:
     finally:
         start_watch.stop()
     return processes, model_runner
+
+
+def run_worker(errors, *args):
+    """A worker process: rank 1 and up's `ModelRunner`, which serves until rank 0 tells it to exit. An exception
+    that ends it is told to rank 0 first (`worker_died` names it), since the process may then end in an abort
+    that hides it (gloo's threads at exit: SIGABRT)."""
+    try:
+        ModelRunner(*args)
+    except BaseException as error:
+        errors.send("".join(traceback.format_exception_only(error)).strip())
+        raise
+
+
+def worker_error(process) -> str | None:
+    """What a worker said of the exception that ended it (`run_worker`), if anything; kept for later calls."""
+    reader = getattr(process, "errors", None)
+    try:
+        if process.error is None and reader is not None and reader.poll():
+            process.error = reader.recv()
+    except (EOFError, OSError):
+        pass
+    return getattr(process, "error", None)
 
 
 class WorkerWatch:
@@ -122,8 +147,9 @@ def worker_died(rank: int, process, advice: str = "close this engine and start a
     deadline = time.monotonic() + 1
     while process.exitcode is None and time.monotonic() < deadline:  # another thread may be reaping it
         time.sleep(0.005)
+    error = worker_error(process)
     return WorkerDied(f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
-                      f"{process.exitcode}; {advice}")
+                      f"{process.exitcode}{f' after {error}' if error else ''}; {advice}")
 
 
 def first_dead(processes: list) -> tuple[int, object] | None:
