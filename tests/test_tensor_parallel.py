@@ -444,7 +444,8 @@ def test_close_waits_for_a_step_that_a_caller_runs_in_another_thread(tiny_model,
     # close() from one thread while another is inside its own step() (add_request + step loops): close waits for
     # that step to end before it tears down, and the caller's next step() says the engine is closed. Before, close
     # went ahead: at TP=2 its exit barrier and the step's collectives waited for each other for good, at TP=1 it
-    # freed the cache under the step, which failed with a shape error
+    # freed the cache under the step, which failed with a shape error. A second close() meanwhile returns only
+    # once the first has torn everything down (before, at once)
     llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=tp)
     llm.add_request(PROMPTS[1], GREEDY)
     embed = llm.model_runner.model.model.embed_tokens
@@ -458,14 +459,20 @@ def test_close_waits_for_a_step_that_a_caller_runs_in_another_thread(tiny_model,
     embed.forward = waits
     stepping, stepped = in_background(llm.step)
     assert entered.wait(30)
-    closing, closed = in_background(llm.close)
+    def close_and_look():
+        llm.close()
+        return shm_segments(), [process.is_alive() for process in llm.processes], llm.model_runner.kv_cache
+    closing, closed = in_background(close_and_look)
     closing.join(0.5)
-    assert closing.is_alive()  # waiting for the step
+    again, closed_again = in_background(close_and_look)
+    again.join(0.5)
+    assert closing.is_alive() and again.is_alive()  # waiting for the step
     release.set()
-    for thread in (stepping, closing):
+    for thread in (stepping, closing, again):
         thread.join(30)
         assert not thread.is_alive()
-    assert "error" not in stepped and "error" not in closed
+    assert "error" not in stepped
+    assert closed["value"] == closed_again["value"] == ([], [False] * (tp - 1), None)  # all gone when each returned
     with pytest.raises(RuntimeError, match="the engine is closed"):
         llm.step()
     assert shm_segments() == [] and not any(process.is_alive() for process in llm.processes)

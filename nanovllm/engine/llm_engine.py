@@ -46,12 +46,14 @@ class LLMEngine:
         # runner and the requests but not the engine, so a dropped engine frees its memory and workers
         self._finalizer = weakref.finalize(self, shutdown, self._loop, self._watch, self.model_runner,
                                            self.processes)
+        self._closing = threading.Lock()  # a close() beside one in progress returns when that one has ended
 
     def close(self):
         """Abort every request in flight (each finishes with finish_reason "abort" and the tokens it has, so
         calls waiting on them in other threads return), then stop the workers and free the KV cache and
         shared memory. Returns within about `workers.CLOSE_TIMEOUT` s; safe to call more than once."""
-        self._finalizer()
+        with self._closing:
+            self._finalizer()
 
     exit = close  # nano-vllm's name
 
