@@ -236,6 +236,24 @@ def test_an_interrupt_while_a_step_takes_requests_in_orphans_none(llm, monkeypat
     assert llm._loop.handles == {}
 
 
+@pytest.mark.parametrize("callback", ["_on_token", "_on_finish"])
+def test_a_request_whose_own_bookkeeping_fails_fails_alone(llm, callback):
+    """An error in one request's bookkeeping (detokenizing its token, its stop strings, its output) fails that
+    request alone and frees its blocks: the requests beside it in the same steps finish as if it were not there.
+    Before, the step failed, and with it every request in flight (a poisoned line of a batch file failed the
+    lines beside it, on every resume)."""
+    expected = llm.generate([[8, 9]], GREEDY)[0]["token_ids"]
+    bad, good = llm.add_request(PROMPT, GREEDY), llm.add_request([8, 9], GREEDY)
+    setattr(bad, callback, raising(ValueError("cannot decode this token")))
+    while not llm.is_finished():
+        llm.step()
+    with pytest.raises(ValueError, match="cannot decode this token"):
+        bad.result(timeout=0)
+    assert good.result(timeout=0)["token_ids"] == expected
+    assert_idle_and_clean(llm)
+    assert llm._loop.handles == {}
+
+
 def test_every_later_call_names_the_first_failure():
     """A second failure (another worker, a later step) does not hide the first, which caused it."""
     class Engine:
@@ -412,9 +430,9 @@ def test_close_ends_every_waiting_call_when_finishing_one_fails(tiny_model, monk
     assert handles[1].result(timeout=5)["finish_reason"] == "abort"
 
 
-def test_a_stream_whose_text_fails_ends_with_the_error_and_so_do_the_requests_beside_it(tiny_model, monkeypatch):
-    # an asyncio listener's text is made by whoever steps; a tokenizer that cannot decode a sampled id raises there,
-    # and again when the step's failure finishes the stream with the error
+def test_a_stream_whose_text_fails_ends_with_the_error_alone(tiny_model, monkeypatch):
+    # an asyncio listener's text is made by whoever steps; a tokenizer that cannot decode a sampled id raises there:
+    # the stream ends with the error, and the request beside it (whose text nobody makes) runs on
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         expected = llm.generate([PROMPT], GREEDY)[0]["token_ids"]
         push, undecodable = IncrementalDetokenizer.push, threading.Event()
@@ -439,8 +457,10 @@ def test_a_stream_whose_text_fails_ends_with_the_error_and_so_do_the_requests_be
         streaming.join(10)
         assert not streaming.is_alive(), "the async stream still waits"
         assert isinstance(outcome.get("error"), ValueError)
-        with pytest.raises(ValueError, match="injected undecodable token"):
-            beside.result(timeout=10)
+        wait_until(lambda: llm.stats()["num_running"] == 1)
+        assert not beside.finished
+        beside.abort()
+        assert beside.result(timeout=10)["finish_reason"] == "abort"
         assert_serves_on(llm, expected)
 
 

@@ -255,20 +255,33 @@ class LLMEngine:
         handles = self._loop.handles
         for seq in took:
             handle = handles.get(seq.seq_id)
-            if handle is not None and handle._on_token(seq.last_token):  # a stop string ended it
+            try:
+                stopped = handle is not None and handle._on_token(seq.last_token)
+            except Exception as error:  # (detokenizing its token, its stop strings) it fails alone
+                self._fail_request(handle, error)
+                continue
+            if stopped:  # a stop string ended it
                 if seq.is_finished:
                     seq.finish_reason = "stop"
                 else:
                     self.scheduler.finish(seq, "stop")
                     finished.append(seq)
         for seq in finished:
-            handle = handles.get(seq.seq_id)
+            handle = handles.pop(seq.seq_id, None)  # (None: failed above, or a close() in another thread)
             if handle is not None:
-                handle._on_finish([seq.last_token])
-                # only now: if finishing raised, the step's failure fails this handle too (pop: a close() in
-                # another thread may have emptied the table meanwhile)
-                handles.pop(seq.seq_id, None)
+                try:
+                    handle._on_finish([seq.last_token])
+                except Exception as error:
+                    handle._on_error(error)
         return finished
+
+    def _fail_request(self, handle: RequestHandle, error: Exception):
+        """A request whose own bookkeeping raised fails with the error, and its blocks are freed; the others in
+        the step go on (an error in the step itself fails them all: `_step`)."""
+        self._loop.handles.pop(handle.request_id, None)
+        if not handle.seq.is_finished:
+            self.scheduler.abort(handle.seq)
+        handle._on_error(error)
 
     # ---- offline batches ----------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt] | Prompt,
