@@ -212,14 +212,25 @@ def test_close_ends_a_request_nobody_took_in(tiny_model):
     assert (out["finish_reason"], out["token_ids"], out["num_cached_tokens"]) == ("abort", [], 0)
 
 
-def test_an_interrupt_while_a_step_takes_requests_in_orphans_none(llm, monkeypatch):
+@pytest.fixture
+def own_llm(tiny_model):
+    """An engine of the test's own, stepped by hand: no loop thread (which an earlier test's `submit` or `result()`
+    starts, and `add_request` then wakes) takes its inbox before the test's step() does."""
+    with LLM(tiny_model, kvcache_block_size=16) as engine:
+        yield engine
+
+
+def test_an_interrupt_while_a_step_takes_requests_in_orphans_none(own_llm, monkeypatch):
     """A ^C in a caller's step() while it takes in new requests fails the one it was taking in (its waiters get
-    the interrupt) and leaves the later ones in the inbox, which the next step takes in: no request is left in the
-    table unscheduled, for result() to wait on for good and is_finished() to overlook."""
+    the interrupt) and leaves the later ones at the front of the inbox, ahead of requests added meanwhile, for the
+    next step: no request is left in the table unscheduled, for result() to wait on for good and is_finished() to
+    overlook."""
+    llm, later = own_llm, []
     add = llm.scheduler.add
 
     def interrupted_once(seq):
         monkeypatch.setattr(llm.scheduler, "add", add)
+        later.append(llm.add_request([10, 11], GREEDY))  # another thread's request, meanwhile
         raise KeyboardInterrupt
     monkeypatch.setattr(llm.scheduler, "add", interrupted_once)
     first, second = llm.add_request(PROMPT, GREEDY), llm.add_request([8, 9], GREEDY)
@@ -228,30 +239,63 @@ def test_an_interrupt_while_a_step_takes_requests_in_orphans_none(llm, monkeypat
     assert first.finished and first.request_id not in llm._loop.handles
     with pytest.raises(KeyboardInterrupt):
         first.result(timeout=0)
-    assert not llm.is_finished()  # the second is still to run
+    assert [handle for _, handle in llm._loop.inbox] == [second, *later]  # first come, first served
     while not llm.is_finished():
         llm.step()
-    assert len(within(10, second.result)["token_ids"]) == 8
+    assert len(within(10, second.result)["token_ids"]) == len(within(10, later[0].result)["token_ids"]) == 8
     assert_idle_and_clean(llm)
     assert llm._loop.handles == {}
 
 
+def test_an_interrupt_right_after_a_request_is_scheduled_unschedules_it(own_llm, monkeypatch):
+    """A ^C that lands after the scheduler took the request in fails it and takes it out again: no sequence runs
+    without a handle."""
+    llm = own_llm
+    add = llm.scheduler.add
+
+    def added_then_interrupted(seq):
+        monkeypatch.setattr(llm.scheduler, "add", add)
+        add(seq)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(llm.scheduler, "add", added_then_interrupted)
+    first = llm.add_request(PROMPT, GREEDY)
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    assert first.finished and first.seq not in (*llm.scheduler.waiting, *llm.scheduler.running)
+    assert llm.is_finished() and llm._loop.handles == {}
+    assert_idle_and_clean(llm)
+
+
+def test_a_step_that_gets_the_lock_after_close_says_closed(tiny_model, monkeypatch):
+    """A step() that passed its first checks just before close() began raises "the engine is closed" once it has
+    the lock (close waits for it, then lets it go), instead of stepping a closed engine or waiting for good."""
+    llm = LLM(tiny_model, kvcache_block_size=16)
+    llm.close()
+    monkeypatch.setattr(llm, "check_workers", lambda: None)  # as if close() ran right after this check
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        within(10, llm.step)
+
+
 @pytest.mark.parametrize("callback", ["_on_token", "_on_finish"])
-def test_a_request_whose_own_bookkeeping_fails_fails_alone(llm, callback):
+def test_a_request_whose_own_bookkeeping_fails_fails_alone(llm, own_llm, callback):
     """An error in one request's bookkeeping (detokenizing its token, its stop strings, its output) fails that
     request alone and frees its blocks: the requests beside it in the same steps finish as if it were not there.
     Before, the step failed, and with it every request in flight (a poisoned line of a batch file failed the
     lines beside it, on every resume)."""
     expected = llm.generate([[8, 9]], GREEDY)[0]["token_ids"]
-    bad, good = llm.add_request(PROMPT, GREEDY), llm.add_request([8, 9], GREEDY)
+    bad = own_llm.add_request(PROMPT, LONG if callback == "_on_token" else GREEDY)
+    good = own_llm.add_request([8, 9], GREEDY)
     setattr(bad, callback, raising(ValueError("cannot decode this token")))
-    while not llm.is_finished():
-        llm.step()
+    while not bad.finished:
+        own_llm.step()
+    assert bad.seq not in (*own_llm.scheduler.running, *own_llm.scheduler.waiting)  # not left running unseen
+    while not own_llm.is_finished():
+        own_llm.step()
     with pytest.raises(ValueError, match="cannot decode this token"):
         bad.result(timeout=0)
     assert good.result(timeout=0)["token_ids"] == expected
-    assert_idle_and_clean(llm)
-    assert llm._loop.handles == {}
+    assert_idle_and_clean(own_llm)
+    assert own_llm._loop.handles == {}
 
 
 def test_every_later_call_names_the_first_failure():

@@ -5,12 +5,14 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 import nanovllm
 import nanovllm.engine.tp_channel as tp_channel
 from nanovllm import SamplingParams
+from nanovllm.engine.workers import worker_died, worker_error
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 from tests.conftest import (assert_greedy_matches_hf, built_on_ranks, in_background, in_processes,
                             kill_the_worker_as_rank_0_sizes_its_cache, kill_worker_while_decoding, shm_segments,
@@ -328,6 +330,32 @@ def test_a_workers_own_exception_is_named_in_the_error(tiny_model):
     assert shm_segments() == []
 
 
+def test_a_workers_own_exception_is_in_its_stderr_and_exit_code(tiny_model, capfd):
+    # the worker tells rank 0 and still fails as before: a nonzero exit, its traceback on its stderr
+    llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
+    llm.model_runner.channel.post("run", FailsOnTheWorker())
+    within(30, llm.processes[0].join)
+    assert llm.processes[0].exitcode != 0
+    within(30, llm.close)
+    err = capfd.readouterr().err
+    assert "Traceback" in err and "RuntimeError: out of memory on the worker" in err
+
+
+def test_worker_error_is_kept_for_later_calls_and_a_closed_pipe_is_none():
+    # what a worker said is read once and kept (later errors name it too); a pipe closed or broken says nothing
+    reader, writer = mp.Pipe(duplex=False)
+    process = SimpleNamespace(errors=reader, error=None, exitcode=1, pid=123)
+    assert worker_error(process) is None  # nothing said yet
+    writer.send("RuntimeError: boom")
+    assert worker_error(process) == worker_error(process) == "RuntimeError: boom"
+    assert "died with exit code 1 after RuntimeError: boom;" in str(worker_died(1, process))
+    closed_reader, closed_writer = mp.Pipe(duplex=False)
+    closed_writer.close()  # a worker that ended without a word
+    assert worker_error(SimpleNamespace(errors=closed_reader, error=None)) is None
+    closed_reader.close()
+    assert worker_error(SimpleNamespace(errors=closed_reader, error=None)) is None
+
+
 def test_killed_worker_is_an_error_not_a_hang(tiny_model):
     llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
     llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
@@ -478,19 +506,34 @@ def test_close_waits_for_a_step_that_a_caller_runs_in_another_thread(tiny_model,
     assert shm_segments() == [] and not any(process.is_alive() for process in llm.processes)
 
 
-def test_an_interrupt_while_close_waits_still_stops_the_workers(tiny_model, monkeypatch):
-    # a ^C while close() waits for the step in progress propagates, and the workers and the shared memory go all
-    # the same (close runs once: a second close() finds nothing to do)
+def test_an_interrupt_while_close_waits_for_a_step_kills_the_workers_without_an_exit(tiny_model, monkeypatch):
+    # a ^C while close() waits for a caller's step in progress: the workers are killed, not told to exit (the
+    # exit's barrier and the step's collectives would wait for each other), and close() returns at once
     llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
+    llm.add_request(PROMPTS[1], GREEDY)
+    embed = llm.model_runner.model.model.embed_tokens
+    forward, entered, release = embed.forward, threading.Event(), threading.Event()
 
-    def interrupted(timeout):
+    def waits(*args):  # rank 0 inside the step (its worker in the step's first collective)
+        entered.set()
+        release.wait(60)
+        return forward(*args)
+
+    embed.forward = waits
+    stepping, _ = in_background(llm.step)
+    assert entered.wait(30)
+    stop = llm._loop.stop
+
+    def interrupted(timeout):  # the ^C comes while stop() waits for the step
+        stop(0.2)
         raise KeyboardInterrupt
     monkeypatch.setattr(llm._loop, "stop", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        llm.close()
-    within(30, llm.processes[0].join)
-    assert not llm.processes[0].is_alive() and shm_segments() == []
-    llm.close()
+        within(10, llm.close)
+    within(10, llm.processes[0].join)
+    assert shm_segments() == []
+    release.set()
+    stepping.join(30)
 
 
 def test_an_error_on_rank_0_between_steps_leaves_a_tp_engine_usable(tiny_model):
