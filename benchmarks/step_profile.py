@@ -4,6 +4,7 @@ measured in the same run (`decode_attention.copy_bandwidth`). The method of `../
 (which wraps `LLM.step`; `generate` runs `LLMEngine._step`, wrapped here).
 
     python benchmarks/step_profile.py [--num-seqs 256] [--kv-cache-dtype auto] [--profile-steps 10]
+        [--gpu-memory-utilization 0.9]
 
 --profile-steps N: torch.profiler over the run's first N steps (bench.py's prompts go in its first 9): the GPU's idle
 time between them and its largest gaps (the host late: what ran before and after each), and what each kernel adds to
@@ -31,9 +32,11 @@ def main():
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile the first N steps (0: none)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
-    llm = LLM(str(default_checkpoint("qwen3-0.6b")), max_model_len=4096, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(str(default_checkpoint("qwen3-0.6b")), max_model_len=4096, kv_cache_dtype=args.kv_cache_dtype,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     seed(0)  # bench.py's prompts and lengths
     prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(args.num_seqs)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024))
@@ -55,9 +58,11 @@ def main():
             prof.stop()
         return result
     llm._step = timed_step
+    before = torch.cuda.memory_stats()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     total = time.perf_counter() - start
+    after = torch.cuda.memory_stats()
     runner = llm.model_runner
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_per_token = runner.kv_cache[:, :, 0, 0].numel() * runner.kv_cache.element_size()  # all layers, K and V
@@ -66,6 +71,7 @@ def main():
     decode = [r for r in records if not r[0]]
     print(f"copy {bandwidth:.2f} TB/s; weights {weights / 1e9:.2f} GB; KV {kv_per_token} B/token; "
           f"total {total:.2f} s, {len(records)} steps, {in_steps:.2f} s in steps")
+    print(allocator_line(before, after))
     print(f"steps with prefill: {len(prefill)}, {sum(r[2] for r in prefill):.2f} s, "
           f"{sum(r[0] for r in prefill)} prefill tokens, {sum(r[1] for r in prefill)} decode tokens")
     print("| decode batch | steps | time s | ms/step | floor ms/step | % of floor |")
@@ -82,6 +88,19 @@ def main():
     print(f"decode-only: {len(decode)} steps, {seconds:.2f} s, floor {floor:.2f} s ({floor / seconds:.0%} of floor)")
     if prof is not None:
         print_profile(device_records(prof), args.profile_steps, records[:args.profile_steps])
+
+
+def allocator_line(before: dict, after: dict) -> str:
+    """What the caching allocator did in the run: each retry (a malloc that failed, then freed the cached blocks and
+    tried again) and each cudaFree synchronizes the device, leaving the GPU idle while the host catches up."""
+    delta = {key: after.get(key, 0) - before.get(key, 0) for key in ("num_alloc_retries", "num_device_alloc",
+                                                                     "num_device_free", "num_ooms")}
+    return (f"allocator in the run: {delta['num_alloc_retries']} retries, {delta['num_device_alloc']} cudaMalloc, "
+            f"{delta['num_device_free']} cudaFree, {delta['num_ooms']} OOMs; reserved "
+            f"{after['reserved_bytes.all.current'] / 2**30:.1f} GiB "
+            f"(peak {after['reserved_bytes.all.peak'] / 2**30:.1f}), "
+            f"allocated peak "
+            f"{after['allocated_bytes.all.peak'] / 2**30:.1f} GiB of {torch.cuda.mem_get_info()[1] / 2**30:.1f}")
 
 
 def print_profile(spans: list[tuple[str, float, float]], steps: int, records: list[tuple]):
