@@ -467,6 +467,24 @@ def test_an_error_on_rank_0_mid_step_ends_the_engine_without_a_hang(tiny_model):
     assert shm_segments() == [] and not llm.processes[0].is_alive()
 
 
+def step_held_on_rank_0(llm: LLM) -> tuple[threading.Thread, dict, threading.Event]:
+    """A caller's step() of a new request on another thread (`in_background`), held inside rank 0's forward (its
+    workers in the step's first collective) until the event it returns is set."""
+    llm.add_request(PROMPTS[1], GREEDY)
+    embed = llm.model_runner.model.model.embed_tokens
+    forward, entered, release = embed.forward, threading.Event(), threading.Event()
+
+    def waits(*args):
+        entered.set()
+        release.wait(60)
+        return forward(*args)
+
+    embed.forward = waits
+    stepping, stepped = in_background(llm.step)
+    assert entered.wait(30)
+    return stepping, stepped, release
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_close_waits_for_a_step_that_a_caller_runs_in_another_thread(tiny_model, tp):
     # close() from one thread while another is inside its own step() (add_request + step loops): close waits for
@@ -475,18 +493,8 @@ def test_close_waits_for_a_step_that_a_caller_runs_in_another_thread(tiny_model,
     # freed the cache under the step, which failed with a shape error. A second close() meanwhile returns only
     # once the first has torn everything down (before, at once)
     llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=tp)
-    llm.add_request(PROMPTS[1], GREEDY)
-    embed = llm.model_runner.model.model.embed_tokens
-    forward, entered, release = embed.forward, threading.Event(), threading.Event()
+    stepping, stepped, release = step_held_on_rank_0(llm)
 
-    def waits(*args):  # rank 0 inside the step (its worker in the step's first collective)
-        entered.set()
-        release.wait(30)
-        return forward(*args)
-
-    embed.forward = waits
-    stepping, stepped = in_background(llm.step)
-    assert entered.wait(30)
     def close_and_look():
         llm.close()
         return shm_segments(), [process.is_alive() for process in llm.processes], llm.model_runner.kv_cache
@@ -510,18 +518,7 @@ def test_an_interrupt_while_close_waits_for_a_step_kills_the_workers_without_an_
     # a ^C while close() waits for a caller's step in progress: the workers are killed, not told to exit (the
     # exit's barrier and the step's collectives would wait for each other), and close() returns at once
     llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=2)
-    llm.add_request(PROMPTS[1], GREEDY)
-    embed = llm.model_runner.model.model.embed_tokens
-    forward, entered, release = embed.forward, threading.Event(), threading.Event()
-
-    def waits(*args):  # rank 0 inside the step (its worker in the step's first collective)
-        entered.set()
-        release.wait(60)
-        return forward(*args)
-
-    embed.forward = waits
-    stepping, _ = in_background(llm.step)
-    assert entered.wait(30)
+    stepping, _, release = step_held_on_rank_0(llm)
     stop = llm._loop.stop
 
     def interrupted(timeout):  # the ^C comes while stop() waits for the step

@@ -91,13 +91,12 @@ def run_worker(errors, *args):
 
 def worker_error(process) -> str | None:
     """What a worker said of the exception that ended it (`run_worker`), if anything; kept for later calls."""
-    reader = getattr(process, "errors", None)
     try:
-        if process.error is None and reader is not None and reader.poll():
-            process.error = reader.recv()
+        if process.error is None and process.errors.poll():
+            process.error = process.errors.recv()
     except (EOFError, OSError):
         pass
-    return getattr(process, "error", None)
+    return process.error
 
 
 class WorkerWatch:
