@@ -5,7 +5,8 @@
 Contract:
 - every input line with a custom_id gets exactly one output line with that custom_id; a line that cannot be
   served (not JSON, a missing or duplicate custom_id, an unknown url, a bad field or value, a prompt too
-  long) gets an error line and the job goes on;
+  long) gets an error line and the job goes on, and so does a request that fails on its own in the engine
+  (server_error: its bookkeeping raised, which a rerun would repeat);
 - each result is appended and flushed as it finishes, in the order requests finish; running the same command
   again skips what the output already holds (its torn last line, if any, is cut off and redone);
 - the input is streamed: at most --max-in-flight requests are in the engine, and as many wait parsed;
@@ -153,6 +154,8 @@ def serve_locally(llm, items, results: ResultsFile, stats: Stats, progress: Prog
                 done = executor.finish(pending)
                 if done is None:
                     stats.interrupted += 1
+                elif done[0]["error"] is not None:  # it failed on its own (`BatchExecutor.finish`)
+                    record(results, stats, ("error", done[0]))
                 else:
                     results.write(done[0])
                     stats.succeeded += 1

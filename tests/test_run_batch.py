@@ -436,6 +436,58 @@ def test_one_aborted_choice_of_several_is_no_result(llm, tiny_model, tmp_path, m
     assert run(llm, tiny_model, inp, out) == 0 and len(choices(read_results(out)["r1"])) == 2
 
 
+def poison_at_submit(llm, monkeypatch, prompt: str, nth: int = 1):
+    """The nth submission of `prompt` fails on its own at its next token, as a request whose bookkeeping raises
+    does (`LLMEngine._fail_request`): the engine and the requests beside it go on."""
+    submit, prompt_ids, seen = llm.submit, llm.encode(prompt), [0]
+
+    def submit_poisoned(ids, params):
+        handle = submit(ids, params)
+        seen[0] += ids == prompt_ids
+        if ids == prompt_ids and seen[0] == nth:
+            def undecodable(token_id):
+                raise ValueError("injected undecodable token")
+            handle._on_token = undecodable
+        return handle
+
+    monkeypatch.setattr(llm, "submit", submit_poisoned)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_request_that_fails_on_its_own_is_an_error_line_not_a_rerun(llm, tiny_model, tmp_path, monkeypatch,
+                                                                      capsys, n):
+    """A request whose own bookkeeping raises (a poisoned line) gets a server_error line and the job goes on to
+    exit 1: before, the run stopped with 3 (run it again), and every rerun failed the same line the same way.
+    With n=2 the line's first choice fails while its second runs on: the line is still one error line."""
+    lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=40 if i == 1 else 8, ignore_eos=True,
+                     n=n if i == 1 else 1) for i in range(3)]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    poison_at_submit(llm, monkeypatch, "prompt 1")
+    assert run(llm, tiny_model, inp, out) == 1
+    results = read_results(out)
+    assert sorted(results) == ["r0", "r1", "r2"]
+    assert results["r0"]["error"] is None and results["r2"]["error"] is None
+    assert results["r1"]["response"] is None and results["r1"]["error"]["code"] == "server_error"
+    assert "ValueError: injected undecodable token" in results["r1"]["error"]["message"]
+    assert "1 failed (server_error 1)" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert run(llm, tiny_model, inp, out) == 1 and len(read_results(out)) == 3  # nothing left to serve
+    assert llm.is_finished()
+
+
+def test_finish_aborts_the_other_choices_of_a_choice_that_failed_on_its_own(llm, monkeypatch):
+    """Ray's replicas call `finish` at once, not after every choice finished: a choice that failed on its own
+    makes the line an error, and the choices still running are aborted, not left to run to max_tokens."""
+    from nanovllm.batch.executor import BatchExecutor
+    executor = BatchExecutor(llm, "tiny")
+    poison_at_submit(llm, monkeypatch, "prompt 1")
+    pending = executor.start(parse_request(request("r1", prompt="prompt 1", max_tokens=MAX_MODEL_LEN // 2,
+                                                   ignore_eos=True, n=2), "r1", 7))
+    line, tokens = within(30, executor.finish, pending)
+    assert line["error"]["code"] == "server_error" and "line 7" in line["error"]["message"] and tokens == 0
+    assert within(30, pending.handles[1].result)["finish_reason"] == "abort"
+
+
 def test_a_run_with_failed_lines_that_stopped_early_says_run_again(llm, tiny_model, tmp_path, monkeypatch):
     """Exit status 3 (run the same command again) wins over 1 (some line failed): a caller that only retries on
     3 must not take an unfinished run for a finished one because it also holds a bad line."""

@@ -4,14 +4,15 @@ handle per choice, and the finished handles to an OpenAI result line.
 `start` raises LineError for what only the engine can check (a prompt longer than max_model_len, a stop
 token outside the vocabulary, a template that rejects the conversation); nothing of that request stays
 queued. `finish` returns None for a request that was aborted: that is no result, and a resumed run serves
-it again. An engine failure propagates from `finish` (`RequestHandle.result` raises it).
+it again; and an error line for one that failed on its own. An engine failure propagates from `finish`
+(`RequestHandle.result` raises it).
 
 A request without max_tokens may run to max_model_len, as in vLLM's OpenAI server. With n > 1 and a seed,
 choice i uses seed + i: the choices differ, and the whole request is reproducible.
 """
 from dataclasses import dataclass
 
-from nanovllm.batch.protocol import FINISH_REASONS, BatchRequest, LineError, result_line
+from nanovllm.batch.protocol import FINISH_REASONS, BatchRequest, LineError, error_line, result_line
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -56,8 +57,21 @@ class BatchExecutor:
         return Pending(request, handles, sum(map(len, prompts)))
 
     def finish(self, pending: Pending) -> tuple[dict, int] | None:
-        """The result line and its number of completion tokens; None if the request was aborted."""
-        outputs = [handle.result() for handle in pending.handles]
+        """The result line and its number of completion tokens; None if the request was aborted. A choice that
+        failed on its own (`RequestHandle.failed_alone`) makes the line an error line (server_error, 0 tokens):
+        a resumed run would fail it again, so it is a result. Any other error propagates (a failed step, a closed
+        engine), and a resumed run serves the request again."""
+        outputs = []
+        for handle in pending.handles:
+            try:
+                outputs.append(handle.result())
+            except Exception as e:
+                if not handle.failed_alone:
+                    raise
+                pending.abort()  # its other choices
+                request = pending.request
+                return error_line(request.custom_id, request.line, "server_error",
+                                  f"line {request.line}: the request failed: {type(e).__name__}: {e}"), 0
         if any(out["finish_reason"] not in FINISH_REASONS for out in outputs):
             return None
         line = result_line(pending.request, outputs, pending.num_prompt_tokens, self.model_name, self.token_text)

@@ -281,6 +281,7 @@ class LLMEngine:
         self._loop.handles.pop(handle.request_id, None)
         if not handle.seq.is_finished:
             self.scheduler.abort(handle.seq)
+        handle.failed_alone = True
         handle._on_error(error)
 
     # ---- offline batches ----------------------------------------------------------------------------

@@ -55,6 +55,9 @@ class RequestHandle:
         self._done = threading.Event()
         self._output: dict | None = None
         self._error: BaseException | None = None
+        # failed with an error of its own (`LLMEngine._fail_request`: its bookkeeping raised), the engine and the
+        # requests beside it going on; False for a step's error, which every request in flight shares
+        self.failed_alone = False
 
     @property
     def request_id(self) -> int:
