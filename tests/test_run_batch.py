@@ -436,33 +436,35 @@ def test_one_aborted_choice_of_several_is_no_result(llm, tiny_model, tmp_path, m
     assert run(llm, tiny_model, inp, out) == 0 and len(choices(read_results(out)["r1"])) == 2
 
 
-def poison_at_submit(llm, monkeypatch, prompt: str, nth: int = 1):
-    """The nth submission of `prompt` fails on its own at its next token, as a request whose bookkeeping raises
-    does (`LLMEngine._fail_request`): the engine and the requests beside it go on."""
+def poison_at_submit(llm, monkeypatch, prompt: str, nth: int = 1, callback: str = "_on_token"):
+    """The nth submission of `prompt` fails on its own at its next token (or as it finishes: `_on_finish`), as a
+    request whose bookkeeping raises does (`LLMEngine._fail_request`): the engine and the requests beside it go
+    on."""
     submit, prompt_ids, seen = llm.submit, llm.encode(prompt), [0]
 
     def submit_poisoned(ids, params):
         handle = submit(ids, params)
         seen[0] += ids == prompt_ids
         if ids == prompt_ids and seen[0] == nth:
-            def undecodable(token_id):
+            def undecodable(*args):
                 raise ValueError("injected undecodable token")
-            handle._on_token = undecodable
+            setattr(handle, callback, undecodable)
         return handle
 
     monkeypatch.setattr(llm, "submit", submit_poisoned)
 
 
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n, callback", [(1, "_on_token"), (2, "_on_token"), (1, "_on_finish")])
 def test_a_request_that_fails_on_its_own_is_an_error_line_not_a_rerun(llm, tiny_model, tmp_path, monkeypatch,
-                                                                      capsys, n):
-    """A request whose own bookkeeping raises (a poisoned line) gets a server_error line and the job goes on to
-    exit 1: before, the run stopped with 3 (run it again), and every rerun failed the same line the same way.
-    With n=2 the line's first choice fails while its second runs on: the line is still one error line."""
+                                                                      capsys, n, callback):
+    """A request whose own bookkeeping raises (a poisoned line: its token's, or its output's as it finishes) gets a
+    server_error line and the job goes on to exit 1: before, the run stopped with 3 (run it again), and every
+    rerun failed the same line the same way. With n=2 the line's first choice fails while its second runs on: the
+    line is still one error line."""
     lines = [request(f"r{i}", prompt=f"prompt {i}", max_tokens=40 if i == 1 else 8, ignore_eos=True,
                      n=n if i == 1 else 1) for i in range(3)]
     inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    poison_at_submit(llm, monkeypatch, "prompt 1")
+    poison_at_submit(llm, monkeypatch, "prompt 1", callback=callback)
     assert run(llm, tiny_model, inp, out) == 1
     results = read_results(out)
     assert sorted(results) == ["r0", "r1", "r2"]

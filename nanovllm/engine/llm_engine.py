@@ -271,8 +271,8 @@ class LLMEngine:
             if handle is not None:
                 try:
                     handle._on_finish([seq.last_token])
-                except Exception as error:
-                    handle._on_error(error)
+                except Exception as error:  # (making its output) it fails alone too
+                    self._fail_request(handle, error)
         return finished
 
     def _fail_request(self, handle: RequestHandle, error: Exception):
