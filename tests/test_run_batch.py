@@ -394,19 +394,25 @@ def test_an_engine_failure_stops_the_run_and_a_rerun_finishes_it(llm, tiny_model
     assert llm.is_finished()
 
 
-def abort_at_submit(llm, monkeypatch, prompt: str, nth: int = 1):
-    """llm.submit aborts the nth submission of `prompt` as soon as it is made, as when someone else ends the
-    request (or closes the engine); monkeypatch.undo() ends it."""
+def at_submit(llm, monkeypatch, prompt: str, act, nth: int = 1):
+    """llm.submit calls act(handle) on the nth submission of `prompt` as soon as it is made; monkeypatch.undo()
+    ends it."""
     submit, prompt_ids, seen = llm.submit, llm.encode(prompt), [0]
 
-    def submit_then_abort(ids, params):
+    def submit_then_act(ids, params):
         handle = submit(ids, params)
         seen[0] += ids == prompt_ids
         if ids == prompt_ids and seen[0] == nth:
-            handle.abort()
+            act(handle)
         return handle
 
-    monkeypatch.setattr(llm, "submit", submit_then_abort)
+    monkeypatch.setattr(llm, "submit", submit_then_act)
+
+
+def abort_at_submit(llm, monkeypatch, prompt: str, nth: int = 1):
+    """The nth submission of `prompt` is aborted as soon as it is made, as when someone else ends the request (or
+    closes the engine)."""
+    at_submit(llm, monkeypatch, prompt, lambda handle: handle.abort(), nth)
 
 
 def test_an_aborted_request_is_not_a_result(llm, tiny_model, tmp_path, monkeypatch, capsys):
@@ -440,18 +446,10 @@ def poison_at_submit(llm, monkeypatch, prompt: str, nth: int = 1, callback: str 
     """The nth submission of `prompt` fails on its own at its next token (or as it finishes: `_on_finish`), as a
     request whose bookkeeping raises does (`LLMEngine._fail_request`): the engine and the requests beside it go
     on."""
-    submit, prompt_ids, seen = llm.submit, llm.encode(prompt), [0]
+    def undecodable(*args):
+        raise ValueError("injected undecodable token")
 
-    def submit_poisoned(ids, params):
-        handle = submit(ids, params)
-        seen[0] += ids == prompt_ids
-        if ids == prompt_ids and seen[0] == nth:
-            def undecodable(*args):
-                raise ValueError("injected undecodable token")
-            setattr(handle, callback, undecodable)
-        return handle
-
-    monkeypatch.setattr(llm, "submit", submit_poisoned)
+    at_submit(llm, monkeypatch, prompt, lambda handle: setattr(handle, callback, undecodable), nth)
 
 
 @pytest.mark.parametrize("n, callback", [(1, "_on_token"), (2, "_on_token"), (1, "_on_finish")])
