@@ -1,7 +1,7 @@
-"""The skinny matmul with its fused norm, gate and residual (`triton_skinny`) against the unfused layers in float64:
-rows 1-32, K in one part or several (whose last program adds the partial sums, applies the rest and leaves its
-counter at zero), with and without bias, ragged N and K; on CPU through Triton's interpreter in float32, and on
-a GPU in bf16. Then the layers that route to it, and a model whose decode steps run through it."""
+"""The skinny matmul with fused norm, gate and residual (`triton_skinny`) against the unfused layers in float64:
+rows 1-32, K in one part or several (the last program adds the partial sums, applies the rest and zeroes its
+counter), ragged N and K; on CPU through Triton's interpreter in float32, on a GPU in bf16. Then the layers that
+route to it, and models whose decode steps run through it."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,10 +19,15 @@ from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
+                              reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
+
+
+def seeded(seed):
+    return torch.Generator().manual_seed(seed)
 
 
 def normed(x, norm_weight=None):
-    """x in float64, through RMSNorm if it has a weight."""
     x = x.double()
     return x if norm_weight is None else x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight.double()
 
@@ -41,10 +46,8 @@ def rel_error(out, expected):
 
 
 def float32_bound(x, w, b, norm_weight, gated, expected, tolerance=1e-5, c=4.0):
-    """A bound for `rel_error` that float32 sums meet however the output cancels: `tolerance`, or `c` float32 eps of
-    each product's sum of absolute terms (|norm(x)| @ |w|.T + |b|), times the output's derivative in that product
-    (silu(gate) * up's in gate and in up), relative to the output: the example's gate, -0.0054 from terms of
-    ~10.5, puts torch's own float32 layers 4.5e-5 off."""
+    """`tolerance`, or `c` float32 eps of each sum of |terms| times the output's derivative in it, relative to the
+    output: met however the output cancels (the example's gate: -0.0054 from terms of ~10.5)."""
     x, bias = normed(x, norm_weight), b.double() if b is not None else 0
     terms = x.abs() @ w.double().abs().T + abs(bias)
     if gated:
@@ -54,11 +57,15 @@ def float32_bound(x, w, b, norm_weight, gated, expected, tolerance=1e-5, c=4.0):
     return max(tolerance, c * torch.finfo(torch.float32).eps * (terms.norm() / expected.norm()).item())
 
 
-def fused(x, w, b=None, norm_weight=None, gated=False, residual=None, config=None):
-    """skinny_linear on DEVICE of CPU tensors."""
+def fused(x, w, b=None, norm_weight=None, gated=False, residual=None, config=None, **kw):
     to = (lambda t: None if t is None else t.to(DEVICE))
     return triton_skinny.skinny_linear(to(x), to(w), to(b), norm=None if norm_weight is None else
-                                       (to(norm_weight), EPS), gated=gated, residual=to(residual), config=config)
+                                       (to(norm_weight), EPS), gated=gated, residual=to(residual), config=config, **kw)
+
+
+def random_layer(gen, m, n, k, bias, norm):
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k ** 0.5
+    return x, w, torch.randn(n, generator=gen) if bias else None, torch.rand(k, generator=gen) + 0.5 if norm else None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter: every draw would compile a "
@@ -68,13 +75,9 @@ def fused(x, w, b=None, norm_weight=None, gated=False, residual=None, config=Non
        bias=st.booleans(), norm=st.booleans(), gated=st.booleans(), residual=st.booleans(), seed=st.integers(0, 99))
 @example(m=1, n=1, k=323, block_k=64, bias=False, norm=False, gated=True, residual=False, seed=42)  # gate cancels
 def test_skinny_matches_the_unfused_layers(m, n, k, block_k, bias, norm, gated, residual, seed):
-    """Any mix of norm, gate, bias and residual, K in one part (block_k 1024) or many: the unfused layers' result
-    within what float32 sums allow (`float32_bound`); a second launch finds the counters the first one left at zero."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = 2 * n if gated else n
-    x, w = torch.randn(m, k, generator=gen), torch.randn(rows, k, generator=gen) / k ** 0.5
-    b = torch.randn(rows, generator=gen) if bias else None
-    norm_weight = torch.rand(k, generator=gen) + 0.5 if norm else None
+    """Any mix of norm, gate, bias, residual, K in one part or many; a second launch finds the counters at zero."""
+    gen = seeded(seed)
+    x, w, b, norm_weight = random_layer(gen, m, 2 * n if gated else n, k, bias, norm)
     res = torch.randn(m, n, generator=gen) if residual else None
     expected = reference(x, w, b, norm_weight, gated, res)
     bound = float32_bound(x, w, b, norm_weight, gated, expected)
@@ -87,8 +90,7 @@ def test_skinny_matches_the_unfused_layers(m, n, k, block_k, bias, norm, gated, 
 
 
 def test_plan_covers_every_k():
-    """Whatever the shape, the plan's blocks tile K with power-of-two blocks that `tl.dot` takes (its choices
-    are timings: `git show 34b7da6:benchmarks/skinny_gemm.py` --sweep)."""
+    """Powers of two that `tl.dot` takes (timings: `git show 34b7da6:benchmarks/skinny_gemm.py`)."""
     for block_m, k, gated in [(16, 1024, False), (32, 3072, False), (16, 3072, False), (16, 1024, True), (32, 64, True),
                               (16, 17, False)]:
         block_n, block_k, warps = triton_skinny.plan(block_m, k, gated)
@@ -98,9 +100,8 @@ def test_plan_covers_every_k():
 
 @pytest.mark.parametrize("m", [1, 16, 17])
 def test_the_plans_tiles_match_the_unfused_layers(m):
-    """Qwen3-0.6B's down projection (1024 x 3072) with its residual on the plan's own tiles: up to 16 rows (the
-    tile timed in the engine's steps) and past them."""
-    gen = torch.Generator().manual_seed(m)
+    """Qwen3-0.6B's down projection (1024 x 3072) and residual on the plan's tiles, up to 16 rows and past them."""
+    gen = seeded(m)
     x, w, res = torch.randn(m, 3072, generator=gen), torch.randn(1024, 3072, generator=gen) * 0.02, \
         torch.randn(m, 1024, generator=gen)
     out = fused(x, w, residual=res)
@@ -110,10 +111,7 @@ def test_the_plans_tiles_match_the_unfused_layers(m):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
-    """A qkv projection with its rope and KV store in the epilogue (`rope`): the q columns as the projection, the
-    head norms and rope would give them, k and v as projected, and the cache as the unfused store leaves it
-    (padding slots untouched); heads of 32 and 64, any GQA ratio, biases, the layer's norm, q/k norms, an FP8
-    cache with scales (its values laid out as the keys, or in chunks: `value_chunk`), K in one part or several."""
+    """Rope and KV store in the epilogue: GQA, biases, norms, FP8 caches (chunked too), K in parts or not."""
     import random
     from tests.test_triton_attention import assert_stored_as
     from tests.test_triton_rope_store import case, unfused
@@ -127,25 +125,18 @@ def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
     _, _, _, positions, rope, q_norm, k_norm, caches, slots, (k_scale, v_scale) = case(  # seed 5: chunked values
         seed, torch.float32, num_heads, num_kv_heads, head_dim, qk_norm, fp8, num_tokens=m,
         block_size=VALUE_CHUNK if seed == 5 else 16)
-    gen = torch.Generator().manual_seed(seed)
-    n = (num_heads + 2 * num_kv_heads) * head_dim
-    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k ** 0.5
-    b = torch.randn(n, generator=gen) if bias else None
-    norm_weight = torch.rand(k, generator=gen) + 0.5 if norm else None
+    x, w, b, norm_weight = random_layer(seeded(seed), m, (num_heads + 2 * num_kv_heads) * head_dim, k, bias, norm)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = reference(x, w, b, norm_weight).float().to(DEVICE)
-    q, kk, v = (t.view(m, -1, head_dim) for t in qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
-                                                           num_kv_heads * head_dim], -1))
+    q, kk, v = (t.view(m, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], -1))
     expected_caches = [c.clone() for c in caches]
     expected_q = unfused(q, kk, v, positions, rope, q_norm, k_norm, *expected_caches, slots, k_scale, v_scale)
     args = triton_skinny.RopeStoreArgs(positions, rope.cos_sin_cache, q_norm.weight if qk_norm else None,
                                        k_norm.weight if qk_norm else None, 1e-6, *caches, slots, k_scale, v_scale)
     for block_k in (256, 32):
-        out = triton_skinny.skinny_linear(x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE),
-                                          norm=None if norm_weight is None else (norm_weight.to(DEVICE), EPS),
-                                          rope=args, config=(head_dim // 2, block_k, 4))
-        got_q = out[:, :num_heads * head_dim].reshape(m, num_heads, head_dim)
-        torch.testing.assert_close(got_q, expected_q, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(out[:, num_heads * head_dim:], qkv[:, num_heads * head_dim:], atol=1e-4, rtol=1e-4)
+        out = fused(x, w, b, norm_weight, rope=args, config=(head_dim // 2, block_k, 4))
+        torch.testing.assert_close(out[:, :q_size].reshape(m, num_heads, head_dim), expected_q, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[:, q_size:], qkv[:, q_size:], atol=1e-4, rtol=1e-4)
         for cache, want in zip(caches, expected_caches):  # the padding slot (-1) stores nothing
             if fp8 and DEVICE.type == "cpu":
                 assert_stored_as(cache, want)
@@ -155,8 +146,7 @@ def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
 
 
 def integer_qkv(m, num_heads, num_kv_heads, head_dim, bound, gen, k=64, dtype=torch.float16):
-    """x and w of integers in [-bound, bound], so every float32 sum is exact, and the projection's output rounded
-    once to `dtype`, split into q, k and v heads on DEVICE; with a rope table of 4,096 positions."""
+    """Integer x, w in [-bound, bound] (exact float32 sums), rounded once to `dtype` as q, k, v; a rope table."""
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     x = torch.randint(-bound, bound + 1, (m, k), generator=gen).to(dtype)
@@ -167,64 +157,65 @@ def integer_qkv(m, num_heads, num_kv_heads, head_dim, bound, gen, k=64, dtype=to
     return x, w, qkv, heads, RotaryEmbedding(inv_freq, 4096).cos_sin_cache.to(DEVICE)
 
 
+def qk_weights(gen, head_dim, qk_norm, dtype=torch.float16):
+    return [(torch.rand(head_dim, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if qk_norm else [None] * 2
+
+
+def rope_epilogue(x, w, heads, positions, cos_sin, weights, caches, slots, scales, block_k):
+    """The skinny product with rope and store in its epilogue, and `rope_store`'s q and caches on the same heads."""
+    from nanovllm.layers.triton_rope_store import rope_store
+    want_caches = [c.clone() for c in caches]
+    want_q = rope_store(*heads, positions, cos_sin, *weights, 1e-6, *want_caches, slots, *scales)
+    args = triton_skinny.RopeStoreArgs(positions, cos_sin, *weights, 1e-6, *caches, slots, *scales)
+    return fused(x, w, rope=args, config=(heads[0].size(-1) // 2, block_k, 4)), want_q, want_caches
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("block_k", [64, 32])
 def test_qkv_with_rope_rounds_the_projection_as_the_unfused_layers(qk_norm, block_k):
-    """In a 16-bit dtype the epilogue rounds the projection's output before the norms and rope, as the projection
-    followed by `rope_store` does: integer x and w make every float32 sum exact while most outputs need rounding
-    to float16, so q, k, v and the cache must equal theirs bit for bit (float16: the interpreter's bf16 `tl.dot`
-    is wrong)."""
-    from nanovllm.layers.triton_rope_store import rope_store
-    dtype, gen = torch.float16, torch.Generator().manual_seed(1)
-    m, num_heads, num_kv_heads, head_dim = 5, 2, 1, 32
-    q_size = num_heads * head_dim
-    x, w, qkv, (q, kk, v), cos_sin = integer_qkv(m, num_heads, num_kv_heads, head_dim, 64, gen)
+    """In float16 the epilogue rounds the projection before norms and rope, as `rope_store`: bit for bit."""
+    gen = seeded(1)
+    m, num_heads, head_dim = 5, 2, 32
+    x, w, qkv, heads, cos_sin = integer_qkv(m, num_heads, 1, head_dim, 64, gen)
     assert (qkv.double() != x.double() @ w.double().T).float().mean() > 0.3
     positions = torch.tensor([3, 1000, 17, 4095, 250], device=DEVICE)
     slots = torch.tensor([4, 0, -1, 9, 2], device=DEVICE)
-    weights = [(torch.rand(head_dim, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if qk_norm \
-        else [None, None]
-    caches = [torch.zeros(2, 8, num_kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
-    want_caches = [c.clone() for c in caches]
-    want_q = rope_store(q, kk, v, positions, cos_sin, *weights, 1e-6, *want_caches, slots)
-    args = triton_skinny.RopeStoreArgs(positions, cos_sin, *weights, 1e-6, *caches, slots, 1.0, 1.0)
-    out = triton_skinny.skinny_linear(x.to(DEVICE), w.to(DEVICE), rope=args, config=(head_dim // 2, block_k, 4))
-    assert torch.equal(out[:, :q_size].view(m, num_heads, head_dim), want_q)
-    assert torch.equal(out[:, q_size:].cpu(), qkv[:, q_size:])
+    weights = qk_weights(gen, head_dim, qk_norm)
+    caches = [torch.zeros(2, 8, 1, head_dim, dtype=torch.float16, device=DEVICE) for _ in range(2)]
+    out, want_q, want_caches = rope_epilogue(x, w, heads, positions, cos_sin, weights, caches, slots, (1.0, 1.0),
+                                             block_k)
+    assert torch.equal(out[:, :num_heads * head_dim].view(m, num_heads, head_dim), want_q)
+    assert torch.equal(out[:, num_heads * head_dim:].cpu(), qkv[:, num_heads * head_dim:])
     for got, want in zip(caches, want_caches):
         assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_qkv_with_rope_rounds_fp8_keys_as_the_fused_store(qk_norm):
-    """Into an FP8 cache the epilogue rounds the rotated keys to the model's dtype before it quantizes them, as
-    `rope_store` does (tests/test_triton_rope_store.py checks that against the unfused layers): with integer x and
-    w the float32 sums are exact and the projections equal, so the caches must equal byte for byte; quantized
-    unrounded, ~0.4% of float16 keys differ (here 32 rows x 2 heads x 64 dims: ~16 of them)."""
+    """Rotated keys are rounded before quantizing, as `rope_store` (else ~0.4% of keys differ)."""
     from nanovllm.layers.attention import FP8_DTYPE
-    from nanovllm.layers.triton_rope_store import rope_store
-    dtype, gen = torch.float16, torch.Generator().manual_seed(2)
-    m, num_heads, num_kv_heads, head_dim = 32, 2, 2, 64
-    x, w, _, (q, kk, v), cos_sin = integer_qkv(m, num_heads, num_kv_heads, head_dim, 16, gen)
+    gen = seeded(2)
+    m, num_kv_heads, head_dim = 32, 2, 64
+    x, w, _, heads, cos_sin = integer_qkv(m, 2, num_kv_heads, head_dim, 16, gen)
     positions = torch.randint(0, 4096, (m,), generator=gen).to(DEVICE)
     slots = torch.randperm(64, generator=gen)[:m].to(DEVICE)
-    weights = [(torch.rand(head_dim, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if qk_norm \
-        else [None, None]
+    weights = qk_weights(gen, head_dim, qk_norm)
     caches = [torch.zeros(2, 32, num_kv_heads, head_dim, device=DEVICE).to(FP8_DTYPE) for _ in range(2)]
-    want_caches = [c.clone() for c in caches]
-    rope_store(q, kk, v, positions, cos_sin, *weights, 1e-6, *want_caches, slots, 4.0, 8.0)
-    args = triton_skinny.RopeStoreArgs(positions, cos_sin, *weights, 1e-6, *caches, slots, 4.0, 8.0)
-    triton_skinny.skinny_linear(x.to(DEVICE), w.to(DEVICE), rope=args, config=(head_dim // 2, 64, 4))
+    _, _, want_caches = rope_epilogue(x, w, heads, positions, cos_sin, weights, caches, slots, (4.0, 8.0), 64)
     for got, want in zip(caches, want_caches):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-def test_fuses_rope_only_where_tl_dot_takes_half_a_head(monkeypatch):
-    """Half a head must be a power of two of 16 or more (`tl.dot`'s least N on a GPU, which the interpreter does not
-    check): heads of 8 and 16 keep the separate kernel, as do 48 and 80."""
-    for name, value in [("ENABLED", True), ("ROPE", True), ("DEVICE_TYPE", DEVICE.type),
-                        ("pdl_launch", lambda device: True)]:
+def enable(monkeypatch, pdl, **values):
+    """The skinny path on, on this device, with dependent launches or not (and other module settings)."""
+    values = dict(ENABLED=True, DEVICE_TYPE=DEVICE.type, pdl_launch=lambda device: pdl, **values)
+    for name, value in values.items():
         monkeypatch.setattr(triton_skinny, name, value)
+
+
+def test_fuses_rope_only_where_tl_dot_takes_half_a_head(monkeypatch):
+    """Half a head must be a power of two >= 16 (`tl.dot`'s least N on a GPU; the interpreter does not check)."""
+    enable(monkeypatch, True, ROPE=True)
     x = torch.zeros(4, 256, device=DEVICE)
     fused = {dim: triton_skinny.fuses_rope(x, torch.zeros(4 * dim, 256, device=DEVICE), dim)
              for dim in (8, 16, 32, 48, 64, 80, 128)}
@@ -235,11 +226,8 @@ def test_fuses_rope_only_where_tl_dot_takes_half_a_head(monkeypatch):
 
 @pytest.fixture
 def skinny_calls(monkeypatch):
-    """The skinny path on, on this device, as on an H200 (dependent launches, so wide products too), with (shape of
-    x, norm?, gated?, residual?) of each call."""
-    monkeypatch.setattr(triton_skinny, "ENABLED", True)
-    monkeypatch.setattr(triton_skinny, "DEVICE_TYPE", DEVICE.type)
-    monkeypatch.setattr(triton_skinny, "pdl_launch", lambda device: True)
+    """The skinny path on as on an H200 (PDL): (x's shape, norm?, gated?, residual?) of each call."""
+    enable(monkeypatch, True)
     calls = []
     skinny = triton_skinny.skinny_linear
 
@@ -252,11 +240,9 @@ def skinny_calls(monkeypatch):
 
 
 def test_linear_fuses_norm_silu_and_residual(skinny_calls):
-    """`linear` hands the norm, a silu gate and the residual to the kernel for a few rows, and gives the same as
-    the layers one after the other; more rows, another activation, or x read across its columns, take F.linear
-    and the layers, with the same result."""
+    """Few rows fuse norm, silu gate and residual; more rows, gelu or x by columns take the layers."""
     from nanovllm.layers import linear
-    gen = torch.Generator().manual_seed(4)
+    gen = seeded(4)
     norm = RMSNorm(300, eps=EPS)
     norm.weight.data.copy_(torch.rand(300, generator=gen) + 0.5)
     w, b = torch.randn(80, 300, generator=gen) / 300 ** 0.5, torch.randn(80, generator=gen)
@@ -274,10 +260,9 @@ def test_linear_fuses_norm_silu_and_residual(skinny_calls):
 
 
 def test_wide_products_need_dependent_launches(skinny_calls, monkeypatch):
-    """Without PDL a product with at least as many outputs as inputs (qkv, gate/up) stays on cuBLAS, norm and
-    all, where o_proj's and down's shape still takes the kernel."""
+    """Without PDL, products at least as wide as deep (qkv, gate/up) stay on cuBLAS; o_proj and down do not."""
     from nanovllm.layers import linear
-    gen = torch.Generator().manual_seed(6)
+    gen = seeded(6)
     x, wide, narrow = (torch.randn(*shape, generator=gen).to(DEVICE) for shape in ((4, 64), (128, 64), (32, 64)))
     norm = RMSNorm(64, eps=EPS).to(DEVICE)
     monkeypatch.setattr(triton_skinny, "pdl_launch", lambda device: False)
@@ -289,10 +274,8 @@ def test_wide_products_need_dependent_launches(skinny_calls, monkeypatch):
 
 
 def test_square_products_need_dependent_launches(monkeypatch):
-    """`fits` takes fewer outputs than inputs without PDL, so a square product (Llama's o_proj) is not one of them;
-    with PDL it is."""
-    for name, value in [("ENABLED", True), ("DEVICE_TYPE", DEVICE.type), ("pdl_launch", lambda device: False)]:
-        monkeypatch.setattr(triton_skinny, name, value)
+    """Without PDL `fits` takes fewer outputs than inputs, so no square product (Llama's o_proj); with PDL it does."""
+    enable(monkeypatch, False)
     x = torch.zeros(4, 64, device=DEVICE)
     assert triton_skinny.fits(x, torch.zeros(63, 64, device=DEVICE))
     assert not triton_skinny.fits(x, torch.zeros(64, 64, device=DEVICE))
@@ -300,14 +283,18 @@ def test_square_products_need_dependent_launches(monkeypatch):
     assert triton_skinny.fits(x, torch.zeros(64, 64, device=DEVICE))
 
 
-def test_row_parallel_layers_add_the_residual_in_it(skinny_calls):
-    """o_proj and down are RowParallelLinear: a decode step's few rows take the skinny matmul, bias and residual
-    included."""
+def row_parallel(gen, k, n):
     from nanovllm.layers.linear import RowParallelLinear
-    gen = torch.Generator().manual_seed(5)
-    layer = RowParallelLinear(300, 40, bias=True)
-    layer.weight.data.copy_(torch.randn(40, 300, generator=gen))
-    layer.bias.data.copy_(torch.randn(40, generator=gen))
+    layer = RowParallelLinear(k, n, bias=True)
+    layer.weight.data.copy_(torch.randn(n, k, generator=gen))
+    layer.bias.data.copy_(torch.randn(n, generator=gen))
+    return layer
+
+
+def test_row_parallel_layers_add_the_residual_in_it(skinny_calls):
+    """o_proj and down are RowParallelLinear: a decode step's few rows take the kernel, bias and residual included."""
+    gen = seeded(5)
+    layer = row_parallel(gen, 300, 40)
     x, res = torch.randn(3, 300, generator=gen), torch.randn(3, 40, generator=gen)
     expected = reference(x, layer.weight.data, layer.bias.data, residual=res)
     assert rel_error(layer.to(DEVICE)(x.to(DEVICE), residual=res.to(DEVICE)), expected) < 1e-5
@@ -315,14 +302,10 @@ def test_row_parallel_layers_add_the_residual_in_it(skinny_calls):
 
 
 def test_row_parallel_ranks_add_the_residual_after_the_all_reduce(skinny_calls, monkeypatch):
-    """With tensor parallelism each rank's skinny product is its partial sum: the bias (rank 0 only) goes in the
-    kernel, the residual after the all-reduce, so it counts once whatever the ranks (all_reduce stands in here: rank
-    1's share, a known tensor, added to rank 0's)."""
+    """Under tensor parallelism, rank 0's bias in the kernel, the residual after the all-reduce."""
     from nanovllm.layers import linear
-    gen = torch.Generator().manual_seed(7)
-    layer = linear.RowParallelLinear(64, 24, bias=True).to(DEVICE)
-    layer.weight.data.copy_(torch.randn(24, 64, generator=gen))
-    layer.bias.data.copy_(torch.randn(24, generator=gen))
+    gen = seeded(7)
+    layer = row_parallel(gen, 64, 24).to(DEVICE)
     x = torch.randn(3, 64, generator=gen)
     res, other = torch.randn(3, 24, generator=gen), torch.randn(3, 24, generator=gen)
     monkeypatch.setattr(linear.dist, "all_reduce", lambda y: y.add_(other.to(y.device)))
@@ -338,9 +321,8 @@ def test_row_parallel_ranks_add_the_residual_after_the_all_reduce(skinny_calls, 
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_normed_parts_sum_squares_whole_rows_or_their_own(gated):
-    """K in parts: up to 16 rows each program sums the squares of its rows whole, past them each part its own
-    columns' and the last part scales the sums by rstd; either way the normed product of the unfused layers."""
-    gen = torch.Generator().manual_seed(7)
+    """K in parts: up to 16 rows sum whole rows' squares, past them each part its own."""
+    gen = seeded(7)
     n, k = 40, 300
     w = torch.randn(2 * n if gated else n, k, generator=gen) / k ** 0.5
     norm_weight = torch.rand(k, generator=gen) + 0.5
@@ -353,10 +335,7 @@ def test_normed_parts_sum_squares_whole_rows_or_their_own(gated):
 
 
 def test_skinny_reads_rows_at_their_strides():
-    """x, w and the residual may be views whose rows lie further apart than their width (slices of wider
-    tensors; `fits` asks only that columns be contiguous): each row is read at its own stride, with the norm's
-    sum of squares over the whole row in one part of K and in several."""
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     m, n, k = 5, 40, 300
     x = torch.randn(m, k + 17, generator=gen)[:, 9:9 + k]
     w = torch.randn(n, k + 44, generator=gen)[:, 30:30 + k]
@@ -370,12 +349,8 @@ def test_skinny_reads_rows_at_their_strides():
 
 @pytest.mark.parametrize("block_k", [64, 32])
 def test_epilogue_rounds_where_the_unfused_layers_do(block_k):
-    """In a 16-bit dtype (float16: the interpreter's bf16 `tl.dot` is wrong) the product is rounded to it before
-    the residual is added (as `residual + o_proj(x)`), and gate and up before silu(gate) * up, which is rounded
-    once. x is integer and w a multiple of 1/256, so every float32 sum is exact while most need rounding to
-    float16; the gates are biased past 20, where float32's sigmoid is 1, so silu(gate) * up is exact in float32
-    too: the output must equal the exactly computed one bit for bit."""
-    dtype, gen = torch.float16, torch.Generator().manual_seed(2)
+    """In float16, rounded before the residual and before silu(gate) * up; exact sums make it bit for bit."""
+    dtype, gen = torch.float16, seeded(2)
     m, n, k = 5, 24, 64
     x = torch.randint(-32, 33, (m, k), generator=gen).to(dtype)
     w = (torch.randint(-64, 65, (2 * n, k), generator=gen) / 256).to(dtype)
@@ -384,48 +359,43 @@ def test_epilogue_rounds_where_the_unfused_layers_do(block_k):
     res = (torch.randn(m, n, generator=gen) * 4).to(dtype)
     want = (exact[:, :n].to(dtype).double() + res.double()).to(dtype)  # rounded, then the residual added
     assert not torch.equal(want, (exact[:, :n] + res.double()).to(dtype))  # (rounding once would differ)
-    out = triton_skinny.skinny_linear(x.to(DEVICE), w[:n].to(DEVICE), residual=res.to(DEVICE),
-                                      config=(16, block_k, 4))
-    assert torch.equal(out.cpu(), want)
+    assert torch.equal(fused(x, w[:n], residual=res, config=(16, block_k, 4)).cpu(), want)
     bias = torch.cat([torch.full((n,), 96.0), torch.zeros(n)]).to(dtype)
     gate, up = (exact + bias.double()).to(dtype).double().chunk(2, -1)  # each rounded as the projection's output
     assert gate.min() > 20  # sigmoid(gate) == 1 in float32
     want = (gate * up).to(dtype)
     assert not torch.equal(want, ((exact[:, :n] + 96) * up).to(dtype))  # (an unrounded gate would differ)
-    out = triton_skinny.skinny_linear(x.to(DEVICE), w.to(DEVICE), bias.to(DEVICE), gated=True,
-                                      config=(16, block_k, 4))
-    assert torch.equal(out.cpu(), want)
+    assert torch.equal(fused(x, w, bias, gated=True, config=(16, block_k, 4)).cpu(), want)
 
 
 def test_counters_grow_with_the_blocks():
-    """A launch with more blocks of columns than the counters held so far gets as many zeroed counters as it has
-    blocks: a smaller one would let its last programs count in memory that is not theirs."""
+    """More column blocks than counters so far: as many zeroed ones (fewer would count in another's memory)."""
     blocks = triton_skinny._counter(DEVICE, 8).numel() + 100
     counter = triton_skinny._counter(DEVICE, blocks)
     assert counter.numel() >= blocks and not counter.any()
     assert triton_skinny._counter(DEVICE, 8) is counter  # kept for the next launches
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
-def test_decode_steps_through_the_fused_kernels_match_hf(tiny_model, hf_model, skinny_calls):
-    """The tiny Qwen3 with every projection of its decode steps on the skinny kernel (norm + qkv, o_proj +
-    residual, norm + gate/up + silu, down + residual): greedy tokens as HF's, teacher-forced."""
+def generate_as_hf(model, hf, prompts, **llm_kw):
+    """Six greedy tokens a prompt, as HF's (teacher-forced)."""
     from nanovllm import LLM, SamplingParams
-    prompts = [[5, 9, 200, 31], [7] * 11, [300, 2, 8]]
-    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=40) as llm:
+    with LLM(str(model), kvcache_block_size=16, **llm_kw) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
-        assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
+        assert_greedy_matches_hf(hf, prompt, out["token_ids"])
+
+
+@CPU_ONLY
+def test_decode_steps_through_the_fused_kernels_match_hf(tiny_model, hf_model, skinny_calls):
+    generate_as_hf(tiny_model, hf_model, [[5, 9, 200, 31], [7] * 11, [300, 2, 8]], num_kvcache_blocks=40)
     fused_kinds = {call[1:] for call in skinny_calls}
     assert fused_kinds == {(True, False, False), (False, False, True), (True, True, False)}, fused_kinds
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
+@CPU_ONLY
 @pytest.mark.parametrize("family", ["llama-linear-rope-biases", "qwen3-moe-sparse-step-and-dense-layers"])
 def test_other_families_decode_through_it(tmp_path, skinny_calls, family):
-    """Biases on every projection (Llama with attention_bias and mlp_bias), and mixture-of-experts layers beside
-    dense ones (whose MLP the kernel does not take: its norm and residual stay with the torch layers): greedy
-    tokens as HF's, with the projections of each decode step on the skinny kernel."""
+    """Biases everywhere (Llama), MoE beside dense layers (MLP left to torch): tokens as HF's."""
     from nanovllm.utils.random_checkpoint import make_random_checkpoint
     from tests.test_models import FAMILIES, check_against_hf
     shape, overrides = FAMILIES[family]
@@ -433,14 +403,10 @@ def test_other_families_decode_through_it(tmp_path, skinny_calls, family):
     assert {call[1:] for call in skinny_calls} >= {(True, False, False), (False, False, True)}
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
+@CPU_ONLY
 @pytest.mark.parametrize("family", ["tiny", "llama-linear-rope-biases"])
 def test_decode_steps_with_rope_in_the_projection_match_hf(tmp_path, skinny_calls, monkeypatch, family):
-    """The decoder's fused rope and KV store (as the Triton backends have it; here the torch backend reads the
-    cache they fill) moved into the qkv projection for decode steps: q/k norms and the layer's norm (Qwen3), biases
-    without q/k norms (Llama); heads of 32. Greedy tokens as HF's, teacher-forced, and every decode step's qkv
-    took the fused epilogue."""
-    from nanovllm import LLM, SamplingParams
+    """Rope and KV store in decode steps' qkv projection (heads of 32): tokens as HF's."""
     from nanovllm.layers.attention import TorchBackend
     from nanovllm.utils.random_checkpoint import make_random_checkpoint
     from tests.test_models import FAMILIES, hf_model
@@ -454,21 +420,15 @@ def test_decode_steps_with_rope_in_the_projection_match_hf(tmp_path, skinny_call
     monkeypatch.setattr(triton_skinny, "skinny_linear", spy)
     shape, overrides = FAMILIES.get(family, ("tiny", {}))
     path = make_random_checkpoint(tmp_path / family, shape, **dict(overrides, head_dim=32))
-    prompts = [[5, 9, 200, 31], [7] * 40, list(range(3, 60))]
-    with LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=24) as llm:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    hf = hf_model(path)
-    for prompt, out in zip(prompts, outputs):
-        assert_greedy_matches_hf(hf, prompt, out["token_ids"])
+    generate_as_hf(path, hf_model(path), [[5, 9, 200, 31], [7] * 40, list(range(3, 60))], num_kvcache_blocks=24)
     assert sum(rope for _, rope in ropes) >= 2 * 5  # two layers, five decode steps at least
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_parts_race_free_on_gpu():
-    """Many launches with K in parts, norm and gate and residual, in bf16 against float64: a partial sum read
-    before its program stored it, or a counter left non-zero, shows up as a wrong block of columns somewhere."""
-    gen = torch.Generator().manual_seed(0)
+    """Many bf16 launches, K in parts: a partial sum read early or a counter left non-zero shows."""
+    gen = seeded(0)
     for trial in range(200):
         m, n, k = int(torch.randint(1, 33, (1,), generator=gen)), 512, 3072
         gated, norm = trial % 2 == 1, trial % 3 == 0
@@ -483,8 +443,7 @@ def test_parts_race_free_on_gpu():
 
 
 def test_kernels_compile_for_sm90():
-    """Plain, split, gated and residual variants, and qkv with its rope and store (q/k norms into a bf16 cache
-    in parts, at 16 and 32 rows: the norm's two ways; biases into an FP8 cache in one part, 14 heads over 2)."""
+    """Plain, split, gated, residual, and rope-and-store variants (bf16 cache in parts; FP8 in one)."""
     signature = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", norm_ptr="*bf16", res_ptr="*bf16",
                      out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", M="i32", N="i32", K="i32",
                      x_stride="i32", w_stride="i32", res_stride="i32", eps="fp32", parts="i32", qk_eps="fp32",
@@ -492,20 +451,20 @@ def test_kernels_compile_for_sm90():
     signature.update(dict.fromkeys(("positions_ptr", "cos_sin_ptr", "slot_ptr", "q_weight_ptr", "k_weight_ptr",
                                     "k_cache_ptr", "v_cache_ptr"), "*bf16"))  # x stands in where there's no rope
     rope_signature = dict(signature, positions_ptr="*i64", cos_sin_ptr="*fp32", slot_ptr="*i64")
-    no_rope = dict(ROPE=False, NUM_HEADS=0, NUM_KV_HEADS=0, QK_NORM=False, QUANTIZE=False, BLOCK_SIZE=0, V_CHUNK=0)
+
+    def rope_of(heads, kv_heads, qk_norm, quantize, on=True):
+        return dict(ROPE=on, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, QK_NORM=qk_norm, QUANTIZE=quantize,
+                    BLOCK_SIZE=256 if on else 0, V_CHUNK=VALUE_CHUNK if quantize else 0)
+    no_rope, qwen = rope_of(0, 0, False, False, on=False), rope_of(16, 8, True, False)
     cases = []
     for block_m, block_n, block_k, flags, rope in [
             (16, 16, 1024, (False, True, False, True, False, True), no_rope),
             (32, 32, 512, (True, True, True, False, True, True), no_rope),
             (16, 16, 1024, (False, False, False, True, True, True), no_rope),
             (16, 32, 256, (True, False, False, False, False, False), no_rope),
-            (16, 64, 256, (False, True, False, False, True, True),
-             dict(ROPE=True, NUM_HEADS=16, NUM_KV_HEADS=8, QK_NORM=True, QUANTIZE=False, BLOCK_SIZE=256, V_CHUNK=0)),
-            (32, 64, 256, (False, True, False, False, True, True),
-             dict(ROPE=True, NUM_HEADS=16, NUM_KV_HEADS=8, QK_NORM=True, QUANTIZE=False, BLOCK_SIZE=256, V_CHUNK=0)),
-            (32, 64, 1024, (True, False, False, False, False, False),
-             dict(ROPE=True, NUM_HEADS=14, NUM_KV_HEADS=2, QK_NORM=False, QUANTIZE=True, BLOCK_SIZE=256,
-                  V_CHUNK=VALUE_CHUNK))]:
+            (16, 64, 256, (False, True, False, False, True, True), qwen),
+            (32, 64, 256, (False, True, False, False, True, True), qwen),
+            (32, 64, 1024, (True, False, False, False, False, False), rope_of(14, 2, False, True))]:
         bias, norm, gated, residual, split, pdl = flags
         sig = signature
         if rope["ROPE"]:
