@@ -1,5 +1,4 @@
-"""Sampling controls and outputs: top-k/top-p/min-p, seeds, stop strings and tokens, min_tokens, logprobs,
-penalties, special tokens and chat, each checked against the model's own (HF's) logits or a direct reference."""
+"""Sampling controls and outputs, each checked against HF's logits or a direct reference."""
 import json
 import random
 import shutil
@@ -23,8 +22,28 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randint(4, 60))] for _ in range(n)]
 
 
+def sampled(temperature: float = 1.0, max_tokens: int = 16, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
 def greedy(max_tokens: int = 16, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+    return sampled(0, max_tokens, **kwargs)
+
+
+def ids(llm, batch, params) -> list[list[int]]:
+    return [o["token_ids"] for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+def one(llm, prompt, params) -> dict:
+    return llm.generate([prompt], params, use_tqdm=False)[0]
+
+
+def chat(llm, conversation, **kwargs) -> list[dict]:
+    return llm.chat(conversation, greedy(), use_tqdm=False, **kwargs)
+
+
+def assert_still_serves(llm):
+    assert len(one(llm, "fine", greedy(3))["token_ids"]) == 3
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +66,14 @@ def test_plain_rows_take_the_fast_path():
     full = batch_of(SamplingParams(), SamplingParams(top_k=3), SamplingParams(min_tokens=2))
     assert not full.is_plain
     assert full.top_k.tolist() == [64, 3, 64] and full.top_p is None and full.penalties is None
-    assert full.banned[2, 1] and not full.banned[:2].any()  # only the row short of min_tokens bans EOS
+    assert full.banned[2, 1] and not full.banned[:2].any()  # only the row short of min_tokens
 
 
 @pytest.mark.parametrize("control", [dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(seed=3), dict(logprobs=0),
                                      dict(min_tokens=1), dict(presence_penalty=0.5), dict(frequency_penalty=-0.5),
                                      dict(repetition_penalty=1.3), dict(repetition_penalty=0.8)])
 def test_any_one_control_leaves_the_fast_path(control):
-    """The fast path samples with temperature alone, so a request is plain only when every other control is off:
-    any single one of them (each at a value that changes what is drawn or returned) makes it not plain. Turned-off
-    values (top_k -1 or 0, top_p 1, penalties 0 and 1) and stop strings keep it plain."""
+    # turned-off controls and stop strings keep a request on the temperature-only path
     assert not SamplingParams(**control).is_plain
     assert not Sequence([5, 6], SamplingParams(**control)).plain_sampling
     assert SamplingParams(top_k=-1, top_p=1.0, min_p=0.0, repetition_penalty=1.0, stop=["x"],
@@ -71,30 +88,21 @@ def test_a_ban_holds_for_every_row_and_logprobs_are_of_the_raw_logits():
     assert sampled[0] == 1 and sampled[1] != 2 and torch.allclose(top_values, logits.log_softmax(-1).flip(-1))
 
 
-def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
+def test_greedy_controls_hold_alone_and_beside_rows_without_them(llm):
+    # greedy alone and beside rows without them (which still sample)
     batch = prompts(6)
-    expected = [o["token_ids"] for o in llm.generate(batch, greedy(), use_tqdm=False)]
+    expected = ids(llm, batch, greedy())
+    plain = sampled(1.5, seed=0)
     for controls in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
-        params = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, **controls)
-        assert [o["token_ids"] for o in llm.generate(batch, params, use_tqdm=False)] == expected, controls
-
-
-def test_a_rows_controls_hold_beside_rows_without_them(llm):
-    """A batch mixes requests with and without top-k, top-p or min-p: each row gets its own (top_k=1, a tiny top_p
-    and min_p=1 are greedy), and a row without them keeps every token."""
-    batch = prompts(6)
-    expected = [o["token_ids"] for o in llm.generate(batch, greedy(), use_tqdm=False)]
-    plain = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, seed=0)
-    for controls in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
-        controlled = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, **controls)
-        got = [o["token_ids"] for o in llm.generate(batch, [controlled, plain] * 3, use_tqdm=False)]
+        controlled = sampled(1.5, **controls)
+        assert ids(llm, batch, controlled) == expected, controls
+        got = ids(llm, batch, [controlled, plain] * 3)
         assert got[::2] == expected[::2], controls
-        assert all(g != e for g, e in zip(got[1::2], expected[1::2])), controls  # the plain rows sample
+        assert all(g != e for g, e in zip(got[1::2], expected[1::2])), controls
 
 
 def allowed_set(probs: torch.Tensor, top_k=0, top_p=1.0, min_p=0.0, slack=1e-5) -> set[int]:
-    """The tokens that min-p, top-k and top-p keep, computed directly from probabilities (with slack at the
-    edges for the engine's own rounding)."""
+    """The tokens min-p, top-k and top-p keep, with slack for rounding."""
     keep = probs >= min_p * probs.max() - slack
     if top_k:
         keep &= probs >= probs.topk(top_k).values[-1] - slack
@@ -110,8 +118,7 @@ def allowed_set(probs: torch.Tensor, top_k=0, top_p=1.0, min_p=0.0, slack=1e-5) 
 
 @pytest.mark.parametrize("top_p, kept", [(0.5, 2), (0.5001, 3), (0.75, 3), (1.0, 4)])
 def test_top_p_keeps_a_token_while_the_likelier_ones_hold_less(top_p, kept):
-    """vLLM's top-p at its edge: of 4 equally likely tokens (a quarter each, exact in float32), top_p 0.5 keeps 2,
-    as the likelier tokens before a third already hold 0.5."""
+    # as vLLM: of 4 tokens of a quarter each, top_p 0.5 keeps 2
     out = apply_min_p_top_k_top_p(torch.zeros(1, 4), None, None, torch.tensor([top_p]))
     assert int(out.isfinite().sum()) == kept
 
@@ -119,15 +126,13 @@ def test_top_p_keeps_a_token_while_the_likelier_ones_hold_less(top_p, kept):
 @pytest.mark.parametrize("controls", [{"top_k": 5}, {"top_p": 0.3}, {"min_p": 0.3}, {"top_k": 20, "top_p": 0.5}])
 def test_draws_stay_inside_the_kept_set(llm, hf_model, controls):
     prompt = prompts(1, seed=1)[0]
-    temperature = 1.3
-    probs = torch.softmax(hf_logits(hf_model, prompt)[-1] / temperature, dim=-1)
+    probs = torch.softmax(hf_logits(hf_model, prompt)[-1] / 1.3, dim=-1)
     allowed = allowed_set(probs, **controls)
     assert 1 < len(allowed) < len(probs) // 2  # the control matters for this prompt
-    params = SamplingParams(temperature=temperature, max_tokens=1, ignore_eos=True, **controls)
-    draws = [o["token_ids"][0] for o in llm.generate([prompt] * 400, params, use_tqdm=False)]
+    draws = [t[0] for t in ids(llm, [prompt] * 400, sampled(1.3, 1, **controls))]
     assert set(draws) <= allowed
     assert len(set(draws)) > 1  # it samples, not argmax
-    # and draws follow the model's probabilities renormalized over the kept set
+    # with the model's probabilities renormalized over the kept set
     kept = torch.tensor(sorted(allowed))
     expected = probs[kept] / probs[kept].sum()
     counts = Counter(draws)
@@ -136,23 +141,16 @@ def test_draws_stay_inside_the_kept_set(llm, hf_model, controls):
 
 
 def test_same_seed_same_tokens_in_any_company(llm):
-    prompt = prompts(1, seed=2)[0]
-    seeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=1234)
-    alone = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
-    company = prompts(5, seed=3)
-    noisy = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
-    mixed = llm.generate(company[:2] + [prompt] + company[2:], [noisy, noisy, seeded, noisy, noisy, noisy],
-                         use_tqdm=False)
-    assert mixed[2]["token_ids"] == alone
-    other_seed = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=1235)
-    assert llm.generate([prompt], other_seed, use_tqdm=False)[0]["token_ids"] != alone
-    unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
-    assert llm.generate([prompt], unseeded, use_tqdm=False)[0]["token_ids"] != alone
+    prompt, company = prompts(1, seed=2)[0], prompts(5, seed=3)
+    seeded, noisy = sampled(max_tokens=24, seed=1234), sampled(max_tokens=30)
+    alone = one(llm, prompt, seeded)["token_ids"]
+    assert ids(llm, company[:2] + [prompt] + company[2:], [noisy, noisy, seeded, noisy, noisy, noisy])[2] == alone
+    assert one(llm, prompt, sampled(max_tokens=24, seed=1235))["token_ids"] != alone
+    assert one(llm, prompt, sampled(max_tokens=24))["token_ids"] != alone
 
 
 def test_a_seeded_requests_draws_differ_from_position_to_position():
-    """A seed fixes each position's draw, not one draw for them all: over flat logits, a seeded request's 8
-    tokens are not all the same."""
+    # a seed fixes each position's draw
     sampler, seq = Sampler(), Sequence([5, 6], SamplingParams(temperature=1.0, seed=3))
     tokens = []
     for _ in range(8):
@@ -162,85 +160,67 @@ def test_a_seeded_requests_draws_differ_from_position_to_position():
     assert len(set(tokens)) > 1
 
 
-def test_same_seed_survives_preemption(tiny_model):
-    prompt = prompts(1, seed=4)[0]
-    seeded = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=7)
-    with LLM(tiny_model, kvcache_block_size=16) as roomy:
-        expected = roomy.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
+def test_same_seed_survives_preemption(llm, tiny_model):
+    prompt, seeded = prompts(1, seed=4)[0], sampled(max_tokens=40, seed=7)
+    expected = one(llm, prompt, seeded)["token_ids"]  # in a roomy cache
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=8) as tight:
-        outputs = tight.generate(prompts(4, seed=5) + [prompt], seeded, use_tqdm=False)
+        outputs = ids(tight, prompts(4, seed=5) + [prompt], seeded)
         assert tight.scheduler.num_preemptions > 0
-    assert outputs[-1]["token_ids"] == expected
+    assert outputs[-1] == expected
 
 
-def spanning_stop(llm, token_ids: list[int]) -> str:
-    """A two-character string made of the end of one token's text and the start of the next's."""
-    for i in range(2, len(token_ids) - 1):
+def test_stop_string_spanning_tokens_and_waiting_for_min_tokens(llm):
+    prompt = prompts(1, seed=6)[0]
+    free = one(llm, prompt, greedy(48))
+    token_ids = free["token_ids"]
+    for i in range(2, len(token_ids) - 1):  # a stop across two tokens
         left, right = llm.decode([token_ids[i]]), llm.decode([token_ids[i + 1]])
         if len(left) >= 2 and len(right) >= 2 and left.isprintable() and right.isprintable():
-            return left[-1] + right[0]
-    pytest.skip("no two neighbouring multi-character tokens in this output")
-
-
-def test_stop_string_spanning_tokens(llm):
-    prompt = prompts(1, seed=6)[0]
-    free = llm.generate([prompt], greedy(48), use_tqdm=False)[0]
-    stop = spanning_stop(llm, free["token_ids"])
-    cut = free["text"].index(stop)
-    # the token that completes the first occurrence is the last one generated
-    num_tokens = next(n for n in range(1, 49) if stop in llm.decode(free["token_ids"][:n]))
-    out = llm.generate([prompt], greedy(48, stop=["never-there", stop]), use_tqdm=False)[0]
-    assert out["text"] == free["text"][:cut] and stop not in out["text"]
+            stop = left[-1] + right[0]
+            break
+    else:
+        pytest.skip("no two neighbouring multi-character tokens in this output")
+    num_tokens = next(n for n in range(1, 49) if stop in llm.decode(token_ids[:n]))
+    out = one(llm, prompt, greedy(48, stop=["never-there", stop]))
+    assert out["text"] == free["text"][:free["text"].index(stop)] and stop not in out["text"]
     assert out["finish_reason"] == "stop" and out["stop_reason"] == stop
-    assert out["token_ids"] == free["token_ids"][:num_tokens]
-    # streamed pieces never show the stop string, and add up to the same text
+    assert out["token_ids"] == free["token_ids"][:num_tokens]  # up to the token completing it
+    # streamed pieces add up to the same text
     pieces = [increment["text"] for increment in llm.submit(prompt, greedy(48, stop=stop))]
     assert "".join(pieces) == out["text"]
-
-
-def test_stop_strings_wait_for_min_tokens(llm):
-    prompt = prompts(1, seed=6)[0]
-    free = llm.generate([prompt], greedy(48), use_tqdm=False)[0]
-    stop = spanning_stop(llm, free["token_ids"])
-    first = next(n for n in range(1, 49) if stop in llm.decode(free["token_ids"][:n]))
-    out = llm.generate([prompt], greedy(48, stop=stop, min_tokens=first + 1), use_tqdm=False)[0]
-    assert len(out["token_ids"]) > first  # the occurrence before min_tokens did not count
+    out = one(llm, prompt, greedy(48, stop=stop, min_tokens=num_tokens + 1))
+    assert len(out["token_ids"]) > num_tokens  # the occurrence before min_tokens did not count
 
 
 def test_stop_token_ids(llm):
     prompt = prompts(1, seed=7)[0]
-    free = llm.generate([prompt], greedy(32), use_tqdm=False)[0]["token_ids"]
+    free = one(llm, prompt, greedy(32))["token_ids"]
     index = next(i for i in range(3, 32) if free[i] not in free[:i])
-    stop_id = free[index]
-    out = llm.generate([prompt], greedy(32, stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    out = one(llm, prompt, greedy(32, stop_token_ids=[free[index]]))
     assert out["token_ids"] == free[:index + 1]  # ignore_eos does not turn stop_token_ids off
-    assert out["finish_reason"] == "stop" and out["stop_reason"] == stop_id
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == free[index]
     assert out["text"] == llm.decode(free[:index])  # the stop token's text is not part of the output
 
 
-def test_min_tokens_suppresses_eos(tiny_model, hf_model, tmp_path):
+def test_min_tokens_suppresses_eos(llm, tiny_model, hf_model, tmp_path):
     prompt = prompts(1, seed=8)[0]
-    with LLM(tiny_model, kvcache_block_size=16) as llm:
-        first = llm.generate([prompt], greedy(1), use_tqdm=False)[0]["token_ids"][0]
-        held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=4,
-                                                     stop_token_ids=[first]), use_tqdm=False)[0]
-    assert first not in held["token_ids"][:4]  # a request's stop tokens are banned before min_tokens too
+    first = one(llm, prompt, greedy(1))["token_ids"][0]
+    held = one(llm, prompt, SamplingParams(temperature=0, max_tokens=8, min_tokens=4, stop_token_ids=[first]))
+    assert first not in held["token_ids"][:4]  # stop tokens are banned before min_tokens too
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     gen_config = json.loads((model / "generation_config.json").read_text())
     gen_config["eos_token_id"] = [first]  # the greedy first token is now an EOS
     (model / "generation_config.json").write_text(json.dumps(gen_config))
-    with LLM(str(model), kvcache_block_size=16) as llm:
-        stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    with LLM(str(model), kvcache_block_size=16) as eos_llm:
+        stopped = one(eos_llm, prompt, SamplingParams(temperature=0, max_tokens=8))
         assert stopped["token_ids"] == [first] and stopped["finish_reason"] == "stop"
         assert stopped["stop_reason"] is None and stopped["text"] == ""
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=4),
-                           use_tqdm=False)[0]
-        ignored = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, min_tokens=4, ignore_eos=True),
-                               use_tqdm=False)[0]
+        out = one(eos_llm, prompt, SamplingParams(temperature=0, max_tokens=8, min_tokens=4))
+        ignored = one(eos_llm, prompt, greedy(4, min_tokens=4))
     assert len(out["token_ids"]) >= 4 and first not in out["token_ids"][:4]
-    assert ignored["token_ids"][0] == first  # with ignore_eos, EOS is an ordinary token: never banned
-    # the first token is HF's argmax once EOS is banned, and the rest are plain greedy
+    assert ignored["token_ids"][0] == first  # with ignore_eos, EOS is never banned
+    # the first token is HF's argmax with EOS banned
     logits = hf_logits(hf_model, prompt)[-1]
     logits[first] = float("-inf")
     assert out["token_ids"][0] == logits.argmax().item()
@@ -248,9 +228,7 @@ def test_min_tokens_suppresses_eos(tiny_model, hf_model, tmp_path):
 
 def test_logprobs_match_hf(llm, hf_model):
     batch = prompts(3, seed=9)
-    params = [SamplingParams(temperature=0.7, max_tokens=10, ignore_eos=True, seed=3, logprobs=5),
-              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0),
-              SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)]
+    params = [sampled(0.7, 10, seed=3, logprobs=5), greedy(10, logprobs=0), sampled(max_tokens=10)]
     outputs = llm.generate(batch, params, use_tqdm=False)
     assert outputs[2]["logprobs"] is None
     for prompt, out, k in zip(batch[:2], outputs[:2], (5, 0)):
@@ -258,8 +236,7 @@ def test_logprobs_match_hf(llm, hf_model):
         assert len(out["logprobs"]) == len(out["token_ids"])
         for row, token_id, entry in zip(reference, out["token_ids"], out["logprobs"]):
             assert next(iter(entry)) == token_id  # the sampled token's own comes first
-            top_values, top_ids = row.topk(k)
-            assert set(entry) == {token_id, *top_ids.tolist()}
+            assert set(entry) == {token_id, *row.topk(k).indices.tolist()}
             for t, value in entry.items():
                 assert value == pytest.approx(row[t].item(), abs=1e-4)
 
@@ -283,9 +260,7 @@ def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[in
                           min_size=5, max_size=5),
        seed=st.integers(0, 2**32 - 1))
 def test_penalties_from_slots_equal_a_full_rebuild(histories, settings_, seed):
-    """Rows whose output is partly known when their slot is built and partly sampled later, into the slot on
-    the device: the logits equal those of [rows, vocab] masks rebuilt from every token, bit for bit, and
-    vLLM's definitions applied token by token."""
+    """Outputs known when a slot is built or sampled into it later: as a full rebuild, bit for bit."""
     vocab = 50
     params = [SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
               for r, f, p in settings_[:len(histories)]]
@@ -303,7 +278,7 @@ def test_penalties_from_slots_equal_a_full_rebuild(histories, settings_, seed):
         for seq, _ in sampling:
             seq.append_pending(0)  # the host does not need its value
     logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(seed)) * 3
-    logits[:, 3::7] = 0  # zero logits too (the repetition penalty leaves them)
+    logits[:, 3::7] = 0  # the repetition penalty leaves zeros
     got = apply_penalties(logits, build_sampling_batch(seqs, frozenset(), vocab, torch.from_numpy, slots))
     rows = [(prompt, output) for prompt, output, _ in histories]
     assert torch.equal(got, full_rebuild_penalties(logits, rows, params))
@@ -315,15 +290,12 @@ def test_penalties_from_slots_equal_a_full_rebuild(histories, settings_, seed):
 
 def test_penalized_greedy_matches_hf(llm, hf_model):
     batch = prompts(3, seed=10)
-    penalties = dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.5)
-    plain = llm.generate(batch, greedy(24), use_tqdm=False)
-    outputs = llm.generate(batch, [greedy(24, **penalties), greedy(24), greedy(24, frequency_penalty=1.5)],
-                           use_tqdm=False)
-    assert outputs[0]["token_ids"] != plain[0]["token_ids"]  # the penalties changed something
-    assert outputs[1]["token_ids"] == plain[1]["token_ids"]  # and only where they were asked for
-    settings = [(1.5, 0.8, 0.5), (1.0, 0.0, 0.0), (1.0, 1.5, 0.0)]
-    for prompt, out, setting in zip(batch, outputs, settings):
-        generated = out["token_ids"]
+    plain = ids(llm, batch, greedy(24))
+    outputs = ids(llm, batch, [greedy(24, repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.5),
+                               greedy(24), greedy(24, frequency_penalty=1.5)])
+    assert outputs[0] != plain[0]  # the penalties changed something
+    assert outputs[1] == plain[1]  # and only where they were asked for
+    for prompt, generated, setting in zip(batch, outputs, [(1.5, 0.8, 0.5), (1.0, 0.0, 0.0), (1.0, 1.5, 0.0)]):
         logits = hf_logits(hf_model, prompt + generated)[len(prompt) - 1:-1]
         for i, token_id in enumerate(generated):
             penalized = reference_penalties(logits[i], prompt, generated[:i], *setting)
@@ -331,58 +303,47 @@ def test_penalized_greedy_matches_hf(llm, hf_model):
 
 
 def test_special_tokens_in_text(llm):
-    special = set(llm.tokenizer.all_special_ids)
-    batch = prompts(40, seed=11)
-    outputs = llm.generate(batch, greedy(32), use_tqdm=False)
-    prompt, ids = next((p, o["token_ids"]) for p, o in zip(batch, outputs) if special & set(o["token_ids"]))
-    kept = llm.generate([prompt], greedy(32, skip_special_tokens=False), use_tqdm=False)[0]
-    skipped = llm.generate([prompt], greedy(32), use_tqdm=False)[0]  # skip_special_tokens=True by default
-    assert kept["token_ids"] == skipped["token_ids"] == ids
-    assert kept["text"] == llm.tokenizer.decode(ids, skip_special_tokens=False) != skipped["text"]
-    assert skipped["text"] == llm.tokenizer.decode(ids, skip_special_tokens=True)
+    special, batch = set(llm.tokenizer.all_special_ids), prompts(40, seed=11)
+    prompt, token_ids = next((p, t) for p, t in zip(batch, ids(llm, batch, greedy(32))) if special & set(t))
+    kept = one(llm, prompt, greedy(32, skip_special_tokens=False))
+    skipped = one(llm, prompt, greedy(32))  # skip_special_tokens=True by default
+    assert kept["token_ids"] == skipped["token_ids"] == token_ids
+    assert kept["text"] == llm.tokenizer.decode(token_ids, skip_special_tokens=False) != skipped["text"]
+    assert skipped["text"] == llm.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 def test_chat_applies_the_template(llm):
     conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     templated = llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>assistant" in templated
-    expected = llm.generate([llm.tokenizer.encode(templated, add_special_tokens=False)], greedy(), use_tqdm=False)
-    one = llm.chat(conversation, greedy(), use_tqdm=False)
-    two = llm.chat([conversation, [{"role": "user", "content": "and you?"}]], greedy(), use_tqdm=False)
-    assert one[0]["token_ids"] == expected[0]["token_ids"] == two[0]["token_ids"]
+    expected = one(llm, llm.tokenizer.encode(templated, add_special_tokens=False), greedy())["token_ids"]
+    one_chat, two = chat(llm, conversation), chat(llm, [conversation, [{"role": "user", "content": "and you?"}]])
+    assert one_chat[0]["token_ids"] == expected == two[0]["token_ids"]
     assert len(two) == 2 and two[1]["token_ids"] != two[0]["token_ids"]
     with pytest.raises(TypeError, match="role"):
-        llm.chat([{"text": "no role"}], greedy(), use_tqdm=False)
-    # the template sees chat_template_kwargs, and chat_template replaces the tokenizer's
-    plain = llm.chat(conversation, greedy(), chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                     "{% if shout %}!{% endif %}", chat_template_kwargs={"shout": True}, use_tqdm=False)
-    expected = llm.generate([llm.tokenizer.encode("be briefhello there!")], greedy(), use_tqdm=False)
-    assert plain[0]["token_ids"] == expected[0]["token_ids"]
+        chat(llm, [{"text": "no role"}])
+    # a chat_template with chat_template_kwargs
+    plain = chat(llm, conversation, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                 "{% if shout %}!{% endif %}", chat_template_kwargs={"shout": True})
+    assert plain[0]["token_ids"] == one(llm, llm.tokenizer.encode("be briefhello there!"), greedy())["token_ids"]
 
 
 def test_chat_without_the_generation_prompt(llm):
-    """add_generation_prompt=False reaches the template: the prompt ends with the last message, no assistant turn
-    opened (to continue a message, as vLLM's chat)."""
+    # add_generation_prompt=False reaches the template: no assistant turn opened
     conversation = [{"role": "user", "content": "hello there"}]
     templated = llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
     assert "assistant" not in templated
     prompt = llm.tokenizer.encode(templated, add_special_tokens=False)
     assert llm.apply_chat_template(conversation, add_generation_prompt=False) == prompt
-    expected = llm.generate([prompt], greedy(), use_tqdm=False)
-    got = llm.chat(conversation, greedy(), add_generation_prompt=False, use_tqdm=False)
-    assert got[0]["token_ids"] == expected[0]["token_ids"]
-    # as in vLLM, chat_template_kwargs win over the argument (run_batch passes the body's through)
+    got = chat(llm, conversation, add_generation_prompt=False)
+    assert got[0]["token_ids"] == one(llm, prompt, greedy())["token_ids"]
+    # as in vLLM, chat_template_kwargs win over the argument
     assert llm.apply_chat_template(conversation, chat_template_kwargs={"add_generation_prompt": False}) == prompt
 
 
-def test_chat_shows_no_progress_bar_on_redirected_stderr(llm, capsys):
-    """chat's progress bar follows generate's default: on a terminal only, so redirected output stays clean."""
-    llm.chat([{"role": "user", "content": "hi"}], greedy(2))
+def test_a_progress_bar_shows_on_a_terminal_only_by_default(llm, capsys, monkeypatch):
+    llm.chat([{"role": "user", "content": "hi"}], greedy(2))  # chat follows generate: stderr is redirected
     assert "Generating" not in capsys.readouterr().err
-
-
-def test_generate_shows_a_progress_bar_on_a_terminal_by_default(llm, capsys, monkeypatch):
-    """use_tqdm=None means "when stderr is a terminal": there the bar is shown, and use_tqdm=False still hides it."""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     llm.generate(["hi"], greedy(2))
     assert "Generating" in capsys.readouterr().err
@@ -393,8 +354,8 @@ def test_generate_shows_a_progress_bar_on_a_terminal_by_default(llm, capsys, mon
 def test_chat_without_a_template_is_a_clear_error(llm, monkeypatch):
     monkeypatch.setattr(llm.tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="has no chat template; pass chat_template="):
-        llm.chat([{"role": "user", "content": "hi"}], greedy(), use_tqdm=False)
-    assert len(llm.generate(["fine"], greedy(3), use_tqdm=False)[0]["token_ids"]) == 3
+        chat(llm, [{"role": "user", "content": "hi"}])
+    assert_still_serves(llm)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -427,13 +388,11 @@ def test_bad_sampling_controls(kwargs, error, match):
 def test_model_dependent_limits_leave_engine_usable(llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(["fine"], SamplingParams(**kwargs), use_tqdm=False)
-    assert len(llm.generate(["fine"], greedy(3), use_tqdm=False)[0]["token_ids"]) == 3
+    assert_still_serves(llm)
 
 
 def test_model_dependent_limits_take_their_edges(llm):
-    """The limits are the vocabulary's own: logprobs of the whole vocabulary (512) and its last id as a stop
-    token are taken, and each token then comes with the logprobs of all 512 ids."""
-    params = SamplingParams(temperature=0, max_tokens=2, logprobs=512, stop_token_ids=[511])
-    out = llm.generate(["fine"], params, use_tqdm=False)[0]
+    # logprobs of all 512 ids, the last id as a stop token
+    out = one(llm, "fine", SamplingParams(temperature=0, max_tokens=2, logprobs=512, stop_token_ids=[511]))
     assert len(out["logprobs"]) == len(out["token_ids"]) >= 1
     assert all(sorted(d) == list(range(512)) for d in out["logprobs"])
