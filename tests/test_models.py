@@ -1,5 +1,4 @@
-"""Every supported family against Hugging Face on CPU: greedy tokens teacher-forced, rope scaling included, and
-the configs that must be refused (unknown rope type or activation, a sliding window shorter than max_model_len)."""
+"""Every supported family against Hugging Face on CPU, and the configs that must be refused."""
 import json
 from types import SimpleNamespace
 
@@ -14,7 +13,7 @@ from nanovllm.utils.random_checkpoint import make_random_checkpoint
 from tests.conftest import assert_greedy_matches_hf
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-# up to ~300 positions: past the 256-token original context of tiny-llama's llama3 rope
+# up to ~300 positions: past tiny-llama's llama3 original context (256)
 PROMPTS = [[7] * 3, list(range(3, 60)), list(range(100, 400)), list(range(3, 60)) + [9, 9]]
 
 
@@ -46,15 +45,12 @@ FAMILIES = {
     "qwen3-moe-sparse-step-and-dense-layers": ("tiny-qwen3-moe", dict(
         num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False, num_experts=6,
         num_experts_per_tok=3)),
-    # every expert for every token: num_experts_per_tok may equal num_experts
     "qwen3-moe-all-experts": ("tiny-qwen3-moe", dict(num_experts=4, num_experts_per_tok=4)),
-    # mlp_bias apart from attention_bias: each option reads its own field
-    "llama-mlp-bias-only": ("tiny-llama", dict(mlp_bias=True)),
-    # an eps large against the hidden states' mean square, so that every RMSNorm (q/k norms included) shows
-    # in the tokens whether it uses the config's rms_norm_eps; at 1e-5 against 1e-6 the logits barely move
+    "llama-mlp-bias-only": ("tiny-llama", dict(mlp_bias=True)),  # each bias option reads its own field
+    # so large that every RMSNorm shows in the tokens whether it uses the eps
     "qwen3-large-rms-norm-eps": ("tiny", dict(rms_norm_eps=0.1)),
-    # heads wider than hidden_size / num_attention_heads, as Qwen3's own (128 against 1024 / 16)
-    "qwen3-wide-heads": ("tiny", dict(head_dim=32)),
+    "qwen3-wide-heads": ("tiny", dict(head_dim=32)),  # wider than hidden / heads, as Qwen3's
+    "llama-gelu-tanh": ("tiny-llama", dict(hidden_act="gelu_pytorch_tanh")),
 }
 
 
@@ -65,8 +61,7 @@ def test_family_matches_hf(tmp_path, name):
 
 
 def test_logprobs_follow_the_final_norms_eps(tmp_path):
-    """The final RMSNorm's eps scales all logits of a position alike, so greedy tokens cannot show whether it is
-    the config's; the logprobs (of the model's raw distribution) do."""
+    """The final norm's eps scales a position's logits alike: greedy tokens cannot show it, logprobs do."""
     shape, overrides = FAMILIES["qwen3-large-rms-norm-eps"]
     path = make_random_checkpoint(tmp_path / "eps", shape, **overrides)
     prompt, params = PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
@@ -83,20 +78,23 @@ def test_qwen3_moe_layers_follow_the_config(tmp_path):
     path = make_random_checkpoint(tmp_path / "moe", "tiny-qwen3-moe", **overrides)
     with LLM(str(path), kvcache_block_size=16) as llm:
         layers = llm.model_runner.model.model.layers
-        # (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers: layer 1 only
-        assert [type(layer.mlp).__name__ for layer in layers] == ["DenseMLP", "SparseMoeBlock", "DenseMLP",
-                                                                 "DenseMLP"]
+        # (i + 1) % decoder_sparse_step == 0, not mlp_only
+        assert [type(layer.mlp).__name__ for layer in layers] == ["DenseMLP", "SparseMoeBlock", "DenseMLP", "DenseMLP"]
         assert layers[1].mlp.experts.gate_up_proj.shape == (6, 64, 64)
+
+
+def rewrite_config(path, edit=lambda config: None, **fields):
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    config.update(fields)
+    (path / "config.json").write_text(json.dumps(config))
 
 
 def test_legacy_rope_scaling_config(tmp_path):
     """A config.json written by older transformers: `rope_scaling` with "type", `rope_theta` at the top."""
     path = make_random_checkpoint(tmp_path / "legacy", "tiny-llama")
-    config = json.loads((path / "config.json").read_text())
-    config.pop("rope_parameters")
-    config.update(rope_theta=500000.0, rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0,
-                                                         high_freq_factor=4.0, original_max_position_embeddings=256))
-    (path / "config.json").write_text(json.dumps(config))
+    rewrite_config(path, lambda config: config.pop("rope_parameters"), rope_theta=500000.0, rope_scaling=dict(
+        type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256))
     check_against_hf(path)
 
 
@@ -119,9 +117,7 @@ def test_rope_frequencies_equal_transformers(rope, head_dim):
 
 
 def test_llama3_rope_reads_a_top_level_original_context():
-    """A config object that holds original_max_position_embeddings beside rope_scaling, not in it (older
-    transformers pass such configs on): llama3 rope takes that field, as transformers does, not
-    max_position_embeddings; the two give other frequencies here."""
+    """llama3 rope takes original_max_position_embeddings from beside rope_scaling (older transformers' configs)."""
     rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
     config = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4, head_dim=16,
                                   max_position_embeddings=131072, original_max_position_embeddings=256,
@@ -134,21 +130,18 @@ def test_llama3_rope_reads_a_top_level_original_context():
 
 @pytest.mark.parametrize("in_rope_parameters", [None, 1024])
 def test_llama3_rope_takes_a_top_level_original_context_first(tmp_path, in_rope_parameters):
-    """A config.json with original_max_position_embeddings at the top level (Phi-3 and others keep it there), and
-    in rope_parameters none (transformers then fills in max_position_embeddings as it reads) or another value: the
-    model Hugging Face builds takes the top-level value, and so must the engine."""
+    """original_max_position_embeddings at the top of config.json (as Phi-3's) wins, as it does in HF's model."""
+    def move(config):
+        config["original_max_position_embeddings"] = config["rope_parameters"].pop("original_max_position_embeddings")
+        if in_rope_parameters is not None:
+            config["rope_parameters"]["original_max_position_embeddings"] = in_rope_parameters
     path = make_random_checkpoint(tmp_path / "llama", "tiny-llama")
-    config = json.loads((path / "config.json").read_text())
-    config["original_max_position_embeddings"] = config["rope_parameters"].pop("original_max_position_embeddings")
-    if in_rope_parameters is not None:
-        config["rope_parameters"]["original_max_position_embeddings"] = in_rope_parameters
-    (path / "config.json").write_text(json.dumps(config))
+    rewrite_config(path, move)
     check_against_hf(path)
 
 
 def test_partial_rotary_factor_is_an_error():
-    """Rope over part of each head (partial_rotary_factor < 1) is not implemented: refused, never run as rope
-    over the whole head, whether the factor sits at the top of the config or in rope_parameters."""
+    """Rope over part of each head is refused, never run over the whole head, wherever the factor sits."""
     for where in (dict(partial_rotary_factor=0.5), dict(rope_scaling=dict(partial_rotary_factor=0.5))):
         config = SimpleNamespace(rope_theta=10000.0, max_position_embeddings=64, **where)
         with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported"):
@@ -159,7 +152,7 @@ def test_mistral_sliding_window(tmp_path):
     path = make_random_checkpoint(tmp_path / "window", "tiny-mistral", sliding_window=320)
     with pytest.raises(ValueError, match="sliding_window=320 is shorter than max_model_len=4096"):
         LLM(str(path))
-    # a window no shorter than any sequence is full attention: it runs, and equals HF (which applies the window)
+    # a window no shorter than any sequence is full attention: it runs, as HF
     check_against_hf(path, max_model_len=320)
 
 
@@ -168,24 +161,21 @@ def test_qwen2_sliding_window_layers(tmp_path):
                                   max_window_layers=1)
     with pytest.raises(ValueError, match="sliding_window=128 is shorter than max_model_len=1024"):
         LLM(str(path), max_model_len=1024)
-    # with use_sliding_window false (Qwen2.5's configs), the window field is not a limit
+    # use_sliding_window false (Qwen2.5): no limit
     path = make_random_checkpoint(tmp_path / "off", "tiny-qwen2", use_sliding_window=False, sliding_window=128)
     LLM(str(path), max_model_len=1024).close()
 
 
 def test_sliding_window_as_older_transformers_configs_hold_it():
-    """transformers 4 kept `sliding_window` set when `use_sliding_window` was false; it is not a limit then."""
+    """transformers 4 kept `sliding_window` set when `use_sliding_window` was false: no limit then."""
     from nanovllm.models.decoder import sliding_window
-    assert sliding_window(SimpleNamespace(sliding_window=4096, use_sliding_window=False)) is None
-    assert sliding_window(SimpleNamespace(sliding_window=4096, use_sliding_window=True)) == 4096
-    assert sliding_window(SimpleNamespace(sliding_window=4096)) == 4096  # Mistral has no switch
-    assert sliding_window(SimpleNamespace(sliding_window=4096, layer_types=["full_attention"] * 2)) is None
 
-
-def rewrite_config(path, **fields):
-    config = json.loads((path / "config.json").read_text())
-    config.update(fields)
-    (path / "config.json").write_text(json.dumps(config))
+    def window(**config):
+        return sliding_window(SimpleNamespace(sliding_window=4096, **config))
+    assert window(use_sliding_window=False) is None
+    assert window(use_sliding_window=True) == 4096
+    assert window() == 4096  # Mistral has no switch
+    assert window(layer_types=["full_attention"] * 2) is None
 
 
 def test_unknown_rope_type_and_activation_are_errors(tmp_path):
@@ -194,7 +184,7 @@ def test_unknown_rope_type_and_activation_are_errors(tmp_path):
                                               original_max_position_embeddings=256))
     with pytest.raises(ValueError, match=r"rope_type='yarn' is not supported; .*'default', 'linear', 'llama3'"):
         LLM(str(path))
-    # transformers 5 refuses this one itself when it reads config.json; older versions pass it on to us
+    # transformers 5 refuses this config.json itself; older ones pass it on
     legacy = SimpleNamespace(rope_scaling=dict(type="llama3", factor=8.0), rope_theta=1e4, max_position_embeddings=64)
     with pytest.raises(ValueError, match="rope_type='llama3' needs 'low_freq_factor'"):
         rope_inv_freq(legacy, 16)
@@ -210,26 +200,18 @@ def test_unknown_rope_type_and_activation_are_errors(tmp_path):
         LLM(str(moe))
 
 
-def test_gelu_mlp_matches_hf(tmp_path):
-    path = make_random_checkpoint(tmp_path / "gelu", "tiny-llama", hidden_act="gelu_pytorch_tanh")
-    check_against_hf(path)
-
-
 @pytest.mark.parametrize("hidden_act", ["silu", "swish", "gelu", "gelu_pytorch_tanh"])
 def test_gated_activations_are_transformers_own(hidden_act):
-    """Each `hidden_act` name that the engine takes means what transformers' ACT2FN means by it (the tiny models'
-    greedy tokens cannot tell exact gelu from its tanh approximation)."""
+    """Each `hidden_act` the engine takes means what ACT2FN means (greedy tokens cannot tell the gelus apart)."""
     from transformers.activations import ACT2FN
     from nanovllm.layers.activation import gated_activation
     gate, up = torch.randn(2, 8, 256, generator=torch.Generator().manual_seed(0)) * 3
-    # (to float32's rounding: the gate is a strided half of the merged projection, which the kernels vectorize
-    # differently; exact gelu and its tanh approximation differ by up to 1e-3)
+    # to float32's rounding; the two gelus differ by 1e-3
     torch.testing.assert_close(gated_activation(hidden_act)(torch.cat([gate, up], -1)), ACT2FN[hidden_act](gate) * up)
 
 
 def test_rms_norm_in_bfloat16_is_transformers_own():
-    """In bf16 the norm rounds as Hugging Face's does (the normalized x to bf16, then times the weight): the CPU
-    tests' float32 models cannot tell the order of the rounding apart."""
+    """In bf16 the norm rounds as HF's (normalized x to bf16, then times the weight); float32 models cannot tell."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
     from nanovllm.layers.layernorm import RMSNorm
     gen = torch.Generator().manual_seed(0)

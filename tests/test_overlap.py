@@ -1,6 +1,4 @@
-"""Overlap scheduling (`async_scheduling`, on by default): the host schedules and launches step N+1 before it
-knows step N's tokens. Outputs are token for token those of the synchronous engine, whatever ends a request,
-and the extra token computed for a request that ended is dropped without a trace."""
+"""Overlap scheduling (step N+1 launched before step N's tokens are known) gives the synchronous engine's outputs."""
 import random
 import time
 
@@ -12,28 +10,30 @@ from nanovllm.engine import step_output
 from tests.conftest import assert_greedy_matches_hf
 
 
-def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]:
+def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60, vocab: int = 500) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 def mixed_params() -> list[SamplingParams]:
-    """A request of each kind of ending and sampling control."""
     return [
-        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        greedy(12),
         SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=30, stop=["e", "ab"]),
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=list(range(3, 512, 7))),
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=list(range(3, 512, 5)), min_tokens=6),
         SamplingParams(temperature=0, max_tokens=1),
         SamplingParams(temperature=0.8, seed=3, max_tokens=10, logprobs=3, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=2.0,
-                       frequency_penalty=2.0, presence_penalty=2.0),  # they count the token in flight
+        greedy(40, repetition_penalty=2.0, frequency_penalty=2.0, presence_penalty=2.0),  # counting the token in flight
     ]
 
 
 def run(tiny_model, batch, params, async_scheduling, **engine_args):
-    with LLM(tiny_model, async_scheduling=async_scheduling, **engine_args) as llm:
+    with LLM(tiny_model, async_scheduling=async_scheduling, **{"kvcache_block_size": 16, **engine_args}) as llm:
         first = llm.generate(batch, params)
         second = llm.generate(batch, params)  # prefix-cache hits
         stats = llm.stats()
@@ -50,21 +50,26 @@ def same_outputs(a: list[dict], b: list[dict]):
             assert p.keys() == q.keys() and all(abs(p[t] - q[t]) < 1e-5 for t in p)
 
 
-@pytest.mark.parametrize("engine_args", [
-    dict(kvcache_block_size=16),
-    dict(kvcache_block_size=16, max_num_batched_tokens=40),  # chunked prompts beside decodes
-    dict(kvcache_block_size=16, num_kvcache_blocks=12, max_num_batched_tokens=64),  # preemption
-    dict(kvcache_block_size=32, prefill_first=True),
-    dict(kvcache_block_size=16, max_model_len=48),  # requests that end at max_model_len
-], ids=["plain", "chunked", "preempting", "prefill-first", "max-model-len"])
-def test_overlap_equals_synchronous(tiny_model, hf_model, engine_args):
-    batch = prompts(16, seed=1, hi=40) + [list(range(3, 43))]
-    params = [mixed_params()[i % 8] for i in range(16)] + [SamplingParams(temperature=0, max_tokens=30,
-                                                                            ignore_eos=True)]
-    on = run(tiny_model, batch, params, True, **engine_args)
+def on_and_off(tiny_model, batch, params, tensor_parallel_size=1, **engine_args):
+    """Overlap on (at tensor_parallel_size) and off: the same outputs, the first time and from the prefix cache."""
+    on = run(tiny_model, batch, params, True, tensor_parallel_size=tensor_parallel_size, **engine_args)
     off = run(tiny_model, batch, params, False, **engine_args)
     same_outputs(on[0], off[0])
     same_outputs(on[1], off[1])
+    return on, off
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(),
+    dict(max_num_batched_tokens=40),  # chunked prompts beside decodes
+    dict(num_kvcache_blocks=12, max_num_batched_tokens=64),  # preemption
+    dict(kvcache_block_size=32, prefill_first=True),
+    dict(max_model_len=48),  # requests that end at max_model_len
+], ids=["plain", "chunked", "preempting", "prefill-first", "max-model-len"])
+def test_overlap_equals_synchronous(tiny_model, hf_model, engine_args):
+    batch = prompts(16, seed=1, hi=40) + [list(range(3, 43))]
+    params = [mixed_params()[i % 8] for i in range(16)] + [greedy(30)]
+    on, off = on_and_off(tiny_model, batch, params, **engine_args)
     assert [o["num_cached_tokens"] for o in on[1]] == [o["num_cached_tokens"] for o in off[1]]
     assert on[2]["num_preemptions"] == off[2]["num_preemptions"]
     if "num_kvcache_blocks" in engine_args:
@@ -74,55 +79,43 @@ def test_overlap_equals_synchronous(tiny_model, hf_model, engine_args):
     for prompt, p, out in zip(batch, params, on[1]):
         if p.temperature == 0 and p.is_plain and out["token_ids"]:  # greedy, with no ban or penalty
             assert_greedy_matches_hf(hf_model, prompt, out["token_ids"])
-    reasons = {o["finish_reason"] for o in on[0]}
-    assert reasons == {"stop", "length"}
+    assert {o["finish_reason"] for o in on[0]} == {"stop", "length"}
 
 
 def test_penalties_count_the_tokens_in_flight(tiny_model):
-    # strong penalties change the next token whenever the last one is missing from their counts
+    # strong penalties change the next token if the last one is not counted
     batch = prompts(8, seed=7, hi=30)
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=2.0,
-                             frequency_penalty=2.0, repetition_penalty=2.0) if i % 2 else
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for i in range(len(batch))]
-    on = run(tiny_model, batch, params, True, kvcache_block_size=16)
-    off = run(tiny_model, batch, params, False, kvcache_block_size=16)
-    same_outputs(on[0], off[0])
+    strong = dict(presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=2.0)
+    params = [greedy(40, **(strong if i % 2 else {})) for i in range(8)]
+    on, _ = on_and_off(tiny_model, batch, params)
     for out in on[0][1::2]:  # the penalized ones never repeat a token right away
         assert all(a != b for a, b in zip(out["token_ids"], out["token_ids"][1:]))
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5),
+    greedy(8),
+    greedy(8, repetition_penalty=1.5, presence_penalty=0.5),
 ], ids=["plain", "penalized"])
 def test_steps_overlap_only_when_asked(tiny_model, monkeypatch, params):
-    events = []
-    result = step_output.StepOutput.result
-
-    def logged_result(self):
-        events.append("result")
-        return result(self)
-
-    monkeypatch.setattr(step_output.StepOutput, "result", logged_result)
+    events, result = [], step_output.StepOutput.result
+    monkeypatch.setattr(step_output.StepOutput, "result", lambda self: events.append("result") or result(self))
     for async_scheduling in (True, False):
         with LLM(tiny_model, kvcache_block_size=16, async_scheduling=async_scheduling) as llm:
             run_step = llm.model_runner.run
             monkeypatch.setattr(llm.model_runner, "run", lambda seqs: events.append("run") or run_step(seqs))
             events.clear()
             llm.generate(prompts(4, seed=2), params)
-        in_flight, ahead = 0, 0  # steps launched and not completed; launches made while one was in flight
+        in_flight, ahead = 0, 0  # steps in flight; launches while one was
         for event in events:
             in_flight += 1 if event == "run" else -1
             ahead += in_flight == 2
         assert in_flight == 0 and events.count("run") > 4
-        if async_scheduling:  # every step but the first is launched before the one before it completes
-            assert ahead == events.count("run") - 1
-        else:
-            assert ahead == 0
+        # with overlap each step but the first launches before the last completes
+        assert ahead == (events.count("run") - 1 if async_scheduling else 0)
 
 
 def test_the_extra_token_of_an_ended_request_is_dropped(tiny_model):
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params = greedy(20)
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         full = llm.generate(prompts(6, seed=3), params)
         stops = [SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[o["token_ids"][4]]) for o in full]
@@ -143,7 +136,7 @@ def test_the_extra_token_of_an_ended_request_is_dropped(tiny_model):
 
 
 def test_aborted_mid_run_keeps_only_known_tokens(tiny_model):
-    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    long = greedy(300)
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         expected = llm.generate(prompts(3, seed=4), long)
         handles = [llm.submit(p, long) for p in prompts(3, seed=4)]
@@ -162,10 +155,7 @@ def test_aborted_mid_run_keeps_only_known_tokens(tiny_model):
 def test_tensor_parallel_overlap_equals_synchronous(tiny_model):
     batch = prompts(8, seed=5, hi=40)
     params = [mixed_params()[i % 8] for i in range(len(batch))]  # the workers read pending tokens too
-    on = run(tiny_model, batch, params, True, kvcache_block_size=16, tensor_parallel_size=2)
-    off = run(tiny_model, batch, params, False, kvcache_block_size=16)
-    same_outputs(on[0], off[0])
-    same_outputs(on[1], off[1])
+    on_and_off(tiny_model, batch, params, 2)
 
 
 @pytest.fixture(scope="module")
@@ -194,10 +184,7 @@ def requests(draw):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests())
 def test_overlap_equals_synchronous_for_any_requests(engine_pair, batch_and_params):
-    """Whatever ends each request (stop tokens and strings, min_tokens, max_tokens, EOS), with preemption and
-    prefix hits from the examples before: the same tokens, text and finish reasons. (Not the same prefix hits:
-    with overlap a finished request's blocks are freed a step later, so the two caches evict in another order.)"""
-    on, off = engine_pair
+    """The same outputs but for prefix hits (with overlap blocks are freed a step later, so eviction differs)."""
     outputs = [llm.generate(*batch_and_params, use_tqdm=False) for llm in engine_pair]
     for x, y in zip(*outputs, strict=True):
         assert {k: x[k] for k in x if k != "num_cached_tokens"} == {k: y[k] for k in y if k != "num_cached_tokens"}

@@ -1,9 +1,4 @@
-"""The scheduler and the block manager under thousands of random operations, with every invariant checked
-after each: block accounting, reference counts, the prefix cache, queue membership, and each request
-finishing exactly once within its limits. Steps complete at once or, as with overlap scheduling, one step
-later: the next step is scheduled while a step's tokens are pending. Penalized requests keep their
-histories in penalty slots, as rank 0's model runner does: every step's penalties equal those rebuilt from
-all tokens (a pending one included), and a slot belongs to one running sequence only."""
+"""Scheduler, block manager and penalty slots under random operations, steps completing at once or a step later."""
 from collections import Counter
 from types import SimpleNamespace
 
@@ -24,7 +19,7 @@ EOS, STOP = 1, 2
 VOCAB = 64
 PENALTIES = st.sampled_from([{}, dict(repetition_penalty=1.5), dict(frequency_penalty=0.5, presence_penalty=-0.25),
                              dict(repetition_penalty=0.7, frequency_penalty=-1.0, presence_penalty=2.0)])
-# prompts are made of a few 4-token pieces, so they share prefixes and the prefix cache gets hits
+# 4-token pieces: prompts share prefixes, the prefix cache gets hits
 PROMPTS = st.builds(lambda pieces, tail: sum(pieces, []) + tail,
                     st.lists(st.sampled_from([[0, 3, 4, 5], [3, 3, 3, 3], [5, 4, 3, 0]]), max_size=4),
                     st.lists(st.integers(0, 5), min_size=1, max_size=5))
@@ -36,20 +31,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                 budget=st.integers(4, 64), max_num_seqs=st.integers(2, 8), prefill_first=st.booleans(),
                 overlap=st.booleans())
     def build(self, block_size, num_blocks, budget, max_num_seqs, prefill_first, overlap):
-        config = SimpleNamespace(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, prefill_first=prefill_first,
-            max_model_len=num_blocks * block_size, eos_token_ids=(EOS,), num_kvcache_blocks=num_blocks,
-            kvcache_block_size=block_size)
+        config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, prefill_first=prefill_first,
+                                 max_model_len=num_blocks * block_size, eos_token_ids=(EOS,),
+                                 num_kvcache_blocks=num_blocks, kvcache_block_size=block_size)
         self.penalty_slots = PenaltySlots(VOCAB, config.max_model_len, max_num_seqs, torch.device("cpu"))
         self.scheduler = Scheduler(config, on_release=self.penalty_slots.release)
         self.block_size, self.num_blocks, self.overlap = block_size, num_blocks, overlap
-        self.in_flight = None  # a launched step whose tokens are pending: (sampled, filled, tokens)
-        self.live: list[Sequence] = []  # added, not yet finished
-        self.ended: list[Sequence] = []
+        self.in_flight = None  # (sampled, filled, tokens) of a step pending
+        self.live, self.ended = [], []  # live: added, not yet finished
         self.finished = Counter()
 
-    @rule(prompt=PROMPTS, max_tokens=st.integers(1, 24),
-          min_tokens=st.integers(0, 3), ignore_eos=st.booleans(), penalties=PENALTIES)
+    @rule(prompt=PROMPTS, max_tokens=st.integers(1, 24), min_tokens=st.integers(0, 3), ignore_eos=st.booleans(),
+          penalties=PENALTIES)
     def add(self, prompt, max_tokens, min_tokens, ignore_eos, penalties):
         prompt = prompt[:self.scheduler.max_model_len]  # the engine refuses longer prompts up front
         params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
@@ -63,7 +56,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, data):
         running_before = {seq.seq_id for seq in self.scheduler.running}
         seqs = self.scheduler.schedule()
-        if self.scheduler.prefill_first:  # nano-vllm's steps: all prefill (prompts, chunks) or all decode
+        if self.scheduler.prefill_first:  # all prefill or all decode
             decodes = [seq.seq_id in running_before and seq.num_tokens - seq.num_computed_tokens == 1 for seq in seqs]
             assert all(decodes) or not any(decodes), "a prefill-first step mixes prompts and decodes"
         assert seqs or not self.scheduler.running or self.in_flight, "running sequences but nothing scheduled"
@@ -72,7 +65,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert 0 < seq.num_scheduled_tokens <= seq.num_tokens - seq.num_computed_tokens
             assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens + seq.num_scheduled_tokens
             assert not seq.is_pending or seq.num_scheduled_tokens == 1  # a pending token is only decoded
-            # nothing is computed for a request that its pending token certainly ends
+            # not for a request its pending token surely ends
             assert not seq.is_pending or (seq.num_completion_tokens < seq.params.max_tokens
                                           and seq.num_tokens < self.scheduler.max_model_len)
         sampled = [seq for seq in seqs if seq.samples_this_step]
@@ -92,19 +85,17 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.in_flight = None
 
     def _sample(self, data, sampled, tokens):
-        """What rank 0's model runner does when it samples: the penalties from the slots, then the step's
-        tokens into them."""
+        """As rank 0's model runner samples: penalties from the slots (checked), then the step's tokens into them."""
         batch = build_sampling_batch(sampled, frozenset([EOS]), VOCAB, torch.from_numpy, self.penalty_slots)
         if batch.penalties is None:
             return
         histories = []
-        for seq in sampled:  # the host's tokens, and the pending one's value from the step in flight
+        for seq in sampled:  # the pending token's value from the step in flight
             token_ids = seq.token_ids[:-1] + [self.in_flight[2][seq.pending_row]] if seq.is_pending \
                 else seq.token_ids
             histories.append((token_ids[:seq.num_prompt_tokens], token_ids[seq.num_prompt_tokens:]))
-        generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
-        choices = torch.randint(5, (len(sampled), VOCAB), generator=generator)
-        logits = torch.tensor([-2.5, -1.0, 0.0, 0.5, 3.0])[choices]
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
+        logits = torch.tensor([-2.5, -1.0, 0.0, 0.5, 3.0])[torch.randint(5, (len(sampled), VOCAB), generator=gen)]
         if batch.banned is not None:  # min_tokens: the ban comes first
             logits = logits.masked_fill(batch.banned, float("-inf"))
             batch.banned = None
@@ -114,14 +105,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _complete(self, data, sampled, filled, tokens):
         took, done = self.scheduler.complete(sampled, filled, tokens)
-        for seq in took:  # a stop token ends its request at once, unless it came before min_tokens
+        for seq in took:  # a stop token ends it, unless before min_tokens
             params = seq.params
             stops = (seq.last_token == EOS and not params.ignore_eos) or seq.last_token in params.stop_token_ids
             if stops and seq.num_completion_tokens >= params.min_tokens:
                 assert seq.is_finished and seq.finish_reason == "stop"
             elif stops:
                 assert seq.finish_reason != "stop"
-        # the engine ends a request whose text completed a stop string (not before min_tokens)
+        # a stop string (not before min_tokens)
         for seq in took:
             if (not seq.is_finished and seq.num_completion_tokens >= seq.params.min_tokens
                     and data.draw(st.integers(0, 19)) == 0):
@@ -133,7 +124,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data(), now=st.integers(0, 3))
     def abort(self, data, now):
-        if now:  # aborts are rarer than steps, so that requests also run to their end
+        if now:  # aborts rarer than steps
             return
         seq = data.draw(st.sampled_from(self.live))
         self.scheduler.abort(seq)
@@ -161,8 +152,6 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def blocks_add_up(self):
-        if not hasattr(self, "scheduler"):
-            return
         bm, s = self.scheduler.block_manager, self.scheduler
         free = free_order(bm)
         assert len(free) == len(set(free)), "a block is free twice"
@@ -175,13 +164,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def prefix_cache_is_truthful(self):
-        if not hasattr(self, "scheduler"):
-            return
         bm = self.scheduler.block_manager
         for h, block_id in bm.hash_to_block_id.items():
             block = bm.blocks[block_id]
             assert block.hash == h and len(block.token_ids) == self.block_size
-        for seq in self.scheduler.running:  # a hashed block holds its tokens, chained to the blocks before
+        for seq in self.scheduler.running:  # hashes chained over the blocks
             prefix = -1
             for i, block_id in enumerate(seq.block_table):
                 block = bm.blocks[block_id]
@@ -194,25 +181,21 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def ended_requests_stay_ended(self):
-        for seq in getattr(self, "ended", []):  # no token is added to them, pending or not
+        for seq in self.ended:  # no token is added to them, pending or not
             assert seq.is_finished and not seq.is_pending and seq.block_table == []
             assert seq.num_tokens == len(seq.token_ids) and PENDING not in seq.token_ids
 
     @invariant()
     def penalty_slots_belong_to_running_sequences(self):
-        if not hasattr(self, "scheduler"):
-            return
         slot_of, free = self.penalty_slots.slot_of, self.penalty_slots.free
         assert len(set(slot_of.values())) == len(slot_of), "two sequences share a slot"
         assert set(slot_of.values()).isdisjoint(free) and len(free) == len(set(free))
         assert len(slot_of) + len(free) == self.penalty_slots.counts.size(0) <= self.scheduler.max_num_seqs
-        # released when a sequence finishes, is aborted or preempted
+        # released on finish, abort, preemption
         assert set(slot_of) <= {seq.seq_id for seq in self.scheduler.running}
 
     @invariant()
     def queues_are_consistent(self):
-        if not hasattr(self, "scheduler"):
-            return
         s = self.scheduler
         waiting, running = {seq.seq_id for seq in s.waiting}, {seq.seq_id for seq in s.running}
         assert not waiting & running and len(waiting) == len(s.waiting) and len(running) == len(s.running)

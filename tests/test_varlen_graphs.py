@@ -1,11 +1,5 @@
-"""Whole-step graphs for small prefills, chunks and mixed steps (`varlen_graphs.py`).
-
-On CPU a "graph" runs its function again at replay (as in tests/test_piecewise_graphs.py), which is what a CUDA
-graph does when the function reads only its static buffers, and the Triton varlen kernel runs through the
-interpreter: so these tests check the static buffers and what fills them, the tile map, the padding, the choice
-of size and when a step falls back; tests/test_gpu_engine.py checks the capture on the GPU.
-"""
-import random
+"""Varlen whole-step graphs, rerun at replay on CPU (static buffers, tile map, padding, sizes, fallbacks)."""
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,7 +16,9 @@ from nanovllm.engine.piecewise_graphs import MAX_TOKENS
 from nanovllm.engine.varlen_graphs import FINE_FROM, FINE_STEP, VarlenGraphs, graph_sizes
 from nanovllm.layers import triton_attention
 from nanovllm.layers.triton_attention import max_varlen_tiles, varlen_tile_map
+from tests import test_overlap
 from tests.conftest import assert_greedy_matches_hf
+from tests.test_overlap import greedy, same_outputs
 from tests.test_piecewise_graphs import Rerun
 
 
@@ -30,10 +26,7 @@ from tests.test_piecewise_graphs import Rerun
 @given(st.lists(st.tuples(st.one_of(st.just(1), st.integers(1, 200)), st.integers(0, 3000)), min_size=1, max_size=40),
        st.sampled_from([1, 2, 4, 8, 16, 32, 64]), st.integers(0, 5), st.sampled_from([1, 3, 4]), st.booleans())
 def test_tile_map_lists_each_tile_once_within_the_bound(seqs, query_tile, spare, splits, by_keys):
-    """Every (sequence, tile x splits) of the step once, and each decode's (sequence, split) for its `splits`
-    splits where it is among the first VARLEN_SPLIT_SEQS sequences, then empty rows: in sequence order, or given
-    the contexts, the programs that read the most keys first; `max_varlen_tiles` bounds the count for any split
-    of the tokens into that many sequences, so a graph's grid always has a row for each program."""
+    """Each tile (a split decode's splits) once, in order or most keys first, then empty rows, within the bound."""
     query_lens = [n for n, _ in seqs]
     lens, contexts = np.array(query_lens), np.array([n + prefix for n, prefix in seqs])
     rows = max_varlen_tiles(int(lens.sum()), len(lens), query_tile, splits) + spare
@@ -44,7 +37,7 @@ def test_tile_map_lists_each_tile_once_within_the_bound(seqs, query_tile, spare,
     assert tile_map.shape == (rows, 2) and tile_map.dtype == np.int32
     listed = [tuple(row) for row in tile_map[:len(expected)].tolist()]
     if by_keys:
-        def keys(seq, work):  # the keys the program reads, as the kernel cuts them (to within a split's rounding)
+        def keys(seq, work):  # the keys a program reads (to a split's rounding)
             if split[seq]:
                 return -(-contexts[seq] // splits)
             return contexts[seq] - query_lens[seq] + min(query_lens[seq], (work // splits + 1) * query_tile)
@@ -79,17 +72,11 @@ def test_tile_map_refuses_too_few_rows():
 
 needs_interpreter = pytest.mark.skipif(torch.cuda.is_available() or triton_attention.triton is None,
                                        reason="CPU only, through Triton's interpreter (CUDA: test_gpu_engine.py)")
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+prompts = partial(test_overlap.prompts, hi=40)
 
 
 def run_engine(tiny_model, batch, params, graphs: bool, max_tokens: int = 48, max_num_seqs: int = 3):
-    """The engine on the Triton backend (interpreted), with varlen graphs of up to max_tokens or without; returns
-    the outputs and, for each step that was not decode-only, (tokens, sequences, leading decodes, merges of a
-    varlen step's split decodes, whether it replayed a graph)."""
+    """Outputs on the Triton backend, and [tokens, seqs, leading decodes, merges, graphed] of steps not decode-only."""
     steps, merges = [], []
     merge_splits = triton_attention.merge_splits
 
@@ -97,14 +84,13 @@ def run_engine(tiny_model, batch, params, graphs: bool, max_tokens: int = 48, ma
         if cu_seqlens_q is not None:  # a varlen step's
             merges.append(args[0].shape)
         return merge_splits(*args, cu_seqlens_q=cu_seqlens_q, **kwargs)
-    # few sequences at a time: prompts start as others finish, beside their decodes
+    # few sequences: prompts start beside decodes
     with pytest.MonkeyPatch.context() as patch, LLM(
             tiny_model, kvcache_block_size=16, max_num_batched_tokens=64, max_num_seqs=max_num_seqs,
             num_kvcache_blocks=40) as llm:
         patch.setattr(triton_attention, "merge_splits", counted_merge)
         runner, config = llm.model_runner, llm.config
-        backend = object.__new__(triton_attention.TritonBackend)  # its __init__ insists on CUDA
-        runner.backend = backend
+        runner.backend = backend = object.__new__(triton_attention.TritonBackend)  # its __init__ insists on CUDA
         for layer in runner.attn_layers:
             layer.backend = backend
         runner.staging = Staging(runner.device, pack=True)  # the CUDA path's single copy, in host memory
@@ -114,8 +100,7 @@ def run_engine(tiny_model, batch, params, graphs: bool, max_tokens: int = 48, ma
             run = runner.varlen_graphs.run
 
             def poisoned_run(inputs, *args):
-                # what a step does not fill holds garbage: the staged bytes (the buffers are shared with other
-                # steps' copies) and the device's rows that it does not send; no real row may read any of it
+                # unfilled bytes and rows hold garbage: no real row may read it
                 staging = args[-1]
                 for array in staging.arrays:
                     array[:] = np.random.randint(0, 256, len(array), dtype=np.uint8)
@@ -138,24 +123,18 @@ def run_engine(tiny_model, batch, params, graphs: bool, max_tokens: int = 48, ma
 
 @needs_interpreter
 def test_varlen_graph_steps_equal_eager_steps(tiny_model, hf_model, monkeypatch):
-    """Prefills, chunks of a long prompt, prefix hits, mixed steps whose decodes read their token from the last
-    step's samples on the device (async scheduling), greedy, seeded and logprob rows: token for token the eager
-    steps' outputs, and HF's greedy choices. The graphs of up to 8 tokens split each decode's keys (into up to
-    2 splits of 64 keys here), the larger ones do not."""
-    # 4 "SMs": decode steps of 1-3 rows x 2 KV heads split their keys in 2-8 (the interpreter is slow with more)
+    """Prefills, chunks, prefix hits, mixed steps: eager steps' outputs; graphs of up to 8 tokens split decodes."""
+    # 4 "SMs": decodes split in 2-8 (the interpreter is slow with more)
     monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 4)
     monkeypatch.setattr(triton_attention, "MIN_SPLIT_TOKENS", 16)
     monkeypatch.setattr(varlen_graphs_module, "VARLEN_SPLIT_TOKENS", 8)
-    batch = [list(range(3, 70))] + prompts(4, seed=4)  # the first prompt's first chunk is larger than every graph
-    batch.append(batch[0][:32] + [7, 8])  # a prefix hit of two blocks, once the first prompt is cached
-    params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True, logprobs=1 if i == 2 else None)
-              for i in range(len(batch))]
+    batch = [list(range(3, 70))] + prompts(4, seed=4)  # a first chunk larger than every graph
+    batch.append(batch[0][:32] + [7, 8])  # a prefix hit of two blocks
+    params = [greedy(3 + i, logprobs=1 if i == 2 else None) for i in range(len(batch))]
     params[3] = SamplingParams(temperature=0.8, seed=11, max_tokens=7, ignore_eos=True)
     expected, _ = run_engine(tiny_model, batch, params, graphs=False)
     got, steps = run_engine(tiny_model, batch, params, graphs=True)
-    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in expected]
-    for g, e in zip(got[2]["logprobs"], expected[2]["logprobs"], strict=True):
-        assert g.keys() == e.keys() and all(abs(g[t] - e[t]) < 1e-5 for t in g)
+    same_outputs(got, expected)
     assert any(o["num_cached_tokens"] > 0 for o in got)
     graphed = [(n, seqs, decodes, merges) for n, seqs, decodes, merges, graph in steps if graph]
     assert all(graph == (n <= 48) for n, *_, graph in steps), steps  # every step that fits, and only those
@@ -168,7 +147,7 @@ def test_varlen_graph_steps_equal_eager_steps(tiny_model, hf_model, monkeypatch)
         assert_greedy_matches_hf(hf_model, batch[i], got[i]["token_ids"])
 
 
-# what VarlenGraphs reads of a model before its first replay: the heads of an attention, the embedding's shape
+# what VarlenGraphs reads of a model before its first replay
 MODEL = SimpleNamespace(model=SimpleNamespace(
     layers=[SimpleNamespace(self_attn=SimpleNamespace(attn=SimpleNamespace(num_heads=4, num_kv_heads=2)))],
     embed_tokens=SimpleNamespace(weight=torch.zeros(10, 8))))
@@ -177,8 +156,7 @@ MODEL = SimpleNamespace(model=SimpleNamespace(
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 30), min_size=1, max_size=12), st.integers(0, 12), st.sampled_from([0, 2, 32]))
 def test_steps_the_graphs_do_not_take_run_eagerly(query_lens, max_seqs, split_decodes):
-    """A step takes a graph when its tokens fit the largest, its sequences are at most max_seqs, and the eager
-    path would not give its leading decodes to the decode kernel (`splits_decodes`)."""
+    """A graph takes a step that fits, of at most MAX_SEQS sequences, whose decodes eager would not split off."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(varlen_graphs_module, "MAX_SEQS", max_seqs)
         patch.setattr(triton_attention, "SPLIT_DECODES", split_decodes)
