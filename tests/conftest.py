@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nanovllm.utils.random_checkpoint import make_random_checkpoint  # noqa: E402
+from nanovllm import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,6 +136,10 @@ def in_background(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, outcome
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 def within(seconds: float, fn, *args, **kwargs):

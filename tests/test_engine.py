@@ -16,13 +16,9 @@ from nanovllm.engine.llm_engine import eos_token_ids
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.warmup import kernel_warmup_steps, sizing_prefill
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import assert_greedy_matches_hf
+from tests.conftest import assert_greedy_matches_hf, greedy
 
 LLM16 = functools.partial(LLM, kvcache_block_size=16)
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 GREEDY = greedy(12)

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import OnCuda, assert_greedy_matches_hf
+from tests.conftest import OnCuda, assert_greedy_matches_hf, greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -34,10 +34,6 @@ def checkpoints(tmp_path_factory):
 def prompts(n: int, seed: int = 0, lo: int = 20, hi: int = 600) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 10000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -9,7 +9,8 @@ import torch
 from nanovllm import LLM, SamplingParams
 from tests.conftest import (OnCuda, assert_greedy_matches_hf, in_processes, kill_the_worker_as_rank_0_sizes_its_cache,
                             kill_worker_while_decoding, shm_segments, within)
-from tests.test_gpu_engine import greedy, prompts
+from tests.conftest import greedy
+from tests.test_gpu_engine import prompts
 
 pytestmark = pytest.mark.gpu
 TP_SIZES = [pytest.param(tp, marks=pytest.mark.skipif(torch.cuda.device_count() < tp, reason=f"needs {tp} GPUs"))

@@ -10,7 +10,7 @@ from nanovllm.layers.attention import (BACKEND_NAMES, FP8_DTYPE, VALUE_CHUNK, At
                                        quantize_kv, resolve_backend_name, value_chunk, value_slots, values_as_cache)
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 from tests import test_overlap
-from tests.test_overlap import greedy
+from tests.conftest import greedy
 
 prompts = partial(test_overlap.prompts, hi=100)
 

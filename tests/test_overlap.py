@@ -7,16 +7,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import step_output
-from tests.conftest import assert_greedy_matches_hf
+from tests.conftest import assert_greedy_matches_hf, greedy
 
 
 def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60, vocab: int = 500) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def greedy(max_tokens: int, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 def mixed_params() -> list[SamplingParams]:

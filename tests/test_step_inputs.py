@@ -16,7 +16,8 @@ from nanovllm.engine.step_inputs import step_inputs
 from nanovllm.layers.attention import TorchBackend
 from nanovllm.layers.triton_sampler import make_rng_state, triton
 from tests import test_overlap
-from tests.test_overlap import greedy, mixed_params, same_outputs
+from tests.conftest import greedy
+from tests.test_overlap import mixed_params, same_outputs
 
 CPU = torch.device("cpu")
 needs_interpreter = pytest.mark.skipif(triton is None or os.environ.get("TRITON_INTERPRET") != "1",

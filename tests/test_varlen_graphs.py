@@ -18,7 +18,8 @@ from nanovllm.layers import triton_attention
 from nanovllm.layers.triton_attention import max_varlen_tiles, varlen_tile_map
 from tests import test_overlap
 from tests.conftest import assert_greedy_matches_hf
-from tests.test_overlap import greedy, same_outputs
+from tests.conftest import greedy
+from tests.test_overlap import same_outputs
 from tests.test_piecewise_graphs import Rerun
 
 
