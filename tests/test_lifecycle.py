@@ -15,6 +15,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine import llm_engine
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.request import EngineLoop, RequestHandle
+from nanovllm.engine.sequence import PENDING
 from nanovllm.engine.step_output import StepOutput
 from tests.conftest import in_background, within
 
@@ -234,6 +235,81 @@ def test_close_ends_a_request_nobody_took_in(tiny_model):
     within(30, llm.close)
     out = within(10, handle.result)
     assert (out["finish_reason"], out["token_ids"], out["num_cached_tokens"]) == ("abort", [], 0)
+
+
+def test_close_ends_as_aborted_the_requests_of_a_step_that_completes_after_it_began(tiny_model, monkeypatch):
+    # close() begins while a step is launching (every sequence's last token pending) and stalls in its first
+    # abort, as a thread switch would, while that step completes: the step raises "closed", which no request
+    # may get, and close() may not change the sequences the step is using
+    llm = engine(tiny_model)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True, logprobs=1)
+    handles = [llm.submit([5 + i, 6, 7], with_logprobs if i == 0 else LONG) for i in range(4)]
+    for handle in handles:
+        within(30, next, iter(handle))
+    run, make_output, loop = llm.model_runner.run, RequestHandle._make_output, llm._loop
+    held, closing = threading.Event(), threading.Event()
+
+    def held_run(seqs):
+        if not held.is_set():
+            held.set()
+            closing.wait(10)
+        return run(seqs)
+
+    def stalled_once(handle):
+        if threading.current_thread() is not loop.thread and not closing.is_set():
+            closing.set()
+            time.sleep(0.3)  # the held step completes meanwhile
+        return make_output(handle)
+
+    monkeypatch.setattr(llm.model_runner, "run", held_run)
+    monkeypatch.setattr(RequestHandle, "_make_output", stalled_once)
+    assert held.wait(30)
+    within(30, llm.close)
+    outputs = [within(10, handle.result) for handle in handles]
+    assert [out["finish_reason"] for out in outputs] == ["abort"] * 4
+    for out in outputs:
+        assert out["token_ids"] and PENDING not in out["token_ids"]
+    assert len(outputs[0]["logprobs"]) == len(outputs[0]["token_ids"])
+
+
+def test_close_ends_a_request_it_takes_in_while_a_failed_step_fails_the_others(tiny_model, monkeypatch):
+    # a failed step fails its requests slowly; close() puts the inbox's request in the table meanwhile and
+    # stalls: the step lets go of the handles it failed only, so close() still finds and aborts the new one
+    llm = engine(tiny_model)
+    first = running(llm)
+    loop, runner = llm._loop, llm.model_runner
+    entered, failing, failing_them = threading.Event(), threading.Event(), threading.Event()
+
+    def failing_run(seqs):
+        entered.set()
+        failing.wait(10)
+        raise RuntimeError("injected model error")
+
+    on_error, take_inbox = RequestHandle._on_error, loop.take_inbox
+
+    def slow_on_error(handle, error):
+        if threading.current_thread() is loop.thread:
+            failing_them.set()
+            time.sleep(0.5)
+        on_error(handle, error)
+
+    def stalled_take_inbox():
+        inbox = take_inbox()
+        if threading.current_thread() is not loop.thread:  # close()'s
+            time.sleep(1.0)
+        return inbox
+
+    monkeypatch.setattr(runner, "run", failing_run)
+    assert entered.wait(30)
+    late = llm.submit([8, 9], GREEDY)  # in the inbox: a step is running
+    monkeypatch.setattr(RequestHandle, "_on_error", slow_on_error)
+    monkeypatch.setattr(loop, "take_inbox", stalled_take_inbox)
+    failing.set()
+    assert failing_them.wait(30)
+    within(30, llm.close)
+    with pytest.raises(RuntimeError, match="injected model error"):
+        first.result(timeout=10)
+    assert late.result(timeout=10)["finish_reason"] == "abort"
 
 
 @pytest.mark.parametrize("added", [False, True], ids=["as-it-is-taken-in", "once-it-is-scheduled"])

@@ -215,6 +215,22 @@ def test_the_text_decoder_skips_the_wrapper_only_where_it_adds_nothing(tokenizer
     assert len(calls) == 5
 
 
+def test_an_abort_leaves_out_the_pending_token_and_leaves_the_sequence_to_the_step(tokenizer):
+    # close() ends requests while a step may still be using their sequences: their last token pending
+    seq = Sequence(PROMPT, SamplingParams(max_tokens=1000, ignore_eos=True, logprobs=0))
+    handle = RequestHandle(SimpleNamespace(need_progress=lambda: None), tokenizer, threading.Lock(), seq, True)
+    for token_id in (100, 101):
+        seq.append_token(token_id, {token_id: -0.5})
+        handle._on_token(token_id)
+    seq.append_pending(0)
+    handle._end_aborted()
+    out = handle.result(timeout=0)
+    assert (out["finish_reason"], out["token_ids"]) == ("abort", [100, 101])
+    assert seq.is_pending and len(seq) == len(PROMPT) + 3  # as the step left it
+    seq.fill_pending(102, {102: -0.1})  # the step completes
+    assert out["logprobs"] == [{100: -0.5}, {101: -0.5}]
+
+
 def test_a_handle_keeps_the_end_it_finished_with(tokenizer):
     handle = make_handle(tokenizer)
     sample(handle, 100)

@@ -199,10 +199,15 @@ class LLMEngine:
             return self._pipelined_step()
         except BaseException as error:  # fail every request in flight and leave the scheduler empty
             self._in_flight = None
-            # the requests first: a scheduler that raised may raise again when it aborts its sequences
-            for handle in list(self._loop.handles.values()):  # (close() may empty the table meanwhile)
-                handle._on_error(error)
-            self._loop.handles.clear()
+            # the requests first: a scheduler that raised may raise again when it aborts its sequences. Once
+            # close() has begun, it ends them all as aborted (README), whatever this step raised ("closed", when
+            # it completed after close() began); and it may put the inbox's requests in the table meanwhile: only
+            # the handles failed here leave it
+            handles = self._loop.handles
+            if not self._loop.stopping:
+                for request_id, handle in list(handles.items()):
+                    handle._on_error(error)
+                    handles.pop(request_id, None)
             for seq in [*self.scheduler.waiting, *self.scheduler.running]:
                 self.scheduler.abort(seq)
             if self.model_runner.out_of_step is not None:  # the workers may wait in a collective for good

@@ -17,7 +17,7 @@ import time
 import weakref
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING, Sequence
 
 
 class RequestHandle:
@@ -200,10 +200,10 @@ class RequestHandle:
 
     def _end_aborted(self):
         """Finish as aborted with the tokens it has (a token still on the device is not one of them); if that
-        fails (detokenizing), its waiters get the error instead."""
+        fails (detokenizing), its waiters get the error instead. It reads the sequence and changes only its
+        finish reason: close() calls it while a step may still be using the sequence."""
         seq = self.seq
         seq.finish_reason = seq.finish_reason or "abort"
-        seq.drop_pending()
         try:
             self._on_finish([])
         except Exception as e:
@@ -211,7 +211,9 @@ class RequestHandle:
 
     def _make_output(self) -> dict:
         seq = self.seq
-        token_ids = seq.completion_token_ids
+        token_ids = seq.completion_token_ids  # (a copy: a step in flight may still append to the sequence)
+        if token_ids and token_ids[-1] == PENDING:  # sampled by a step in flight: not a token of the output
+            token_ids.pop()
         if isinstance(seq.stop_reason, str):
             text = self._detokenizer.text  # cut before the stop string
         else:  # nor is the text of an EOS or stop token part of it
@@ -224,7 +226,7 @@ class RequestHandle:
             "finish_reason": seq.finish_reason,
             "stop_reason": seq.stop_reason,
             "num_cached_tokens": max(seq.num_cached_tokens, 0),
-            "logprobs": seq.logprobs,
+            "logprobs": None if seq.logprobs is None else seq.logprobs[:len(token_ids)],
         }
 
     def _on_error(self, error: BaseException):
@@ -328,12 +330,12 @@ class EngineLoop:
     def finish_all(self, error: BaseException | None = None):
         """End every request not yet finished: with `error`, or else as aborted."""
         self.take_inbox()  # its requests join the table; its aborts are moot
-        for handle in list(self.handles.values()):
+        for request_id, handle in list(self.handles.items()):
             if error is not None:
                 handle._on_error(error)
             else:
                 handle._end_aborted()
-        self.handles.clear()
+            self.handles.pop(request_id, None)
 
     def stop(self, timeout: float) -> bool:
         """Abort every request at once, then let the step in progress finish, the thread's or a caller's own
