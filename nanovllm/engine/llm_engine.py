@@ -8,7 +8,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from functools import partial
-from time import perf_counter
+from time import perf_counter, sleep
 
 import numpy as np
 
@@ -20,10 +20,12 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_output import StepOutput
-from nanovllm.engine.workers import WorkerWatch, check_alive, fail_and_abort, shutdown, start_workers
+from nanovllm.engine.workers import (WorkerDied, WorkerWatch, check_alive, fail_and_abort, first_dead, shutdown,
+                                     start_workers, worker_died)
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+WORKER_REAP_S = 1.0  # how long a failed tensor-parallel step waits to learn whether a worker died in it
 
 
 class LLMEngine:
@@ -199,6 +201,7 @@ class LLMEngine:
             return self._pipelined_step()
         except BaseException as error:  # fail every request in flight and leave the scheduler empty
             self._in_flight = None
+            died = self._worker_death(error)
             # the requests first: a scheduler that raised may raise again when it aborts its sequences. Once
             # close() has begun, it ends them all as aborted (README), whatever this step raised ("closed", when
             # it completed after close() began); and it may put the inbox's requests in the table meanwhile: only
@@ -206,16 +209,35 @@ class LLMEngine:
             handles = self._loop.handles
             if not self._loop.stopping:
                 for request_id, handle in list(handles.items()):
-                    handle._on_error(error)
+                    handle._on_error(died or error)
                     handles.pop(request_id, None)
             for seq in [*self.scheduler.waiting, *self.scheduler.running]:
                 self.scheduler.abort(seq)
             if self.model_runner.out_of_step is not None:  # the workers may wait in a collective for good
-                dead = RuntimeError(f"rank 0 failed in a step that its tensor-parallel workers ran too ({error!r}), "
-                                    "and they may wait for it for good: close this engine and start a new one")
+                dead = died or RuntimeError(f"rank 0 failed in a step that its tensor-parallel workers ran too "
+                                            f"({error!r}), and they may wait for it for good: close this engine "
+                                            "and start a new one")
                 dead.__cause__ = error
                 self._loop.fail(dead)
+            if died is not None:
+                raise died from error
             raise
+
+    def _worker_death(self, error: BaseException) -> WorkerDied | None:
+        """The error naming the worker whose death failed this tensor-parallel step, as the watch's does: a
+        collective's own error (gloo's "Connection closed by peer") can reach rank 0 before the dead process is
+        reaped, so a failed step waits up to WORKER_REAP_S for one; None when every worker lives (or rank 0 was
+        interrupted: a ^C is no worker's doing)."""
+        if self.model_runner.out_of_step is None or not self.processes or not isinstance(error, Exception):
+            return None
+        deadline = perf_counter() + WORKER_REAP_S
+        while (dead := first_dead(self.processes)) is None:
+            if perf_counter() > deadline:
+                return None
+            sleep(0.01)
+        died = worker_died(*dead)
+        died.__cause__ = error
+        return died
 
     def _pipelined_step(self) -> tuple[list[Sequence], int, int]:
         """Schedule and launch step N, then complete step N-1 while the device runs N (overlap scheduling:
