@@ -288,6 +288,26 @@ def test_penalties_from_slots_equal_a_full_rebuild(histories, settings_, seed):
         torch.testing.assert_close(got[row], expected)
 
 
+def test_penalty_slots_grow_by_doubling_up_to_max_num_seqs():
+    slots = PenaltySlots(50, 16, 3, torch.device("cpu"))
+    seqs = [Sequence([1, 2], SamplingParams(repetition_penalty=1.2)) for _ in range(4)]
+    for seq in seqs[:3]:  # 1, 2, then 3 slots (doubling would make 4)
+        slots.gather([seq], torch.tensor([0]), torch.from_numpy)
+    assert slots.counts.size(0) == slots.token_ids.size(0) == 3
+    with pytest.raises(AssertionError, match="more than max_num_seqs=3"):
+        slots.gather([seqs[3]], torch.tensor([0]), torch.from_numpy)
+
+
+def test_a_full_length_prompt_samples_its_one_penalized_token(tiny_model, hf_model):
+    # its token goes to position max_model_len of its penalty slot
+    prompt = [random.Random(11).randrange(3, 500) for _ in range(64)]
+    with LLM(tiny_model, kvcache_block_size=16, max_model_len=len(prompt)) as engine:
+        out = one(engine, prompt, greedy(4, repetition_penalty=1.3, frequency_penalty=0.5))
+    assert (out["finish_reason"], len(out["token_ids"])) == ("length", 1)
+    penalized = reference_penalties(hf_logits(hf_model, prompt)[-1], prompt, [], 1.3, 0.5, 0.0)
+    assert penalized.max() - penalized[out["token_ids"][0]] <= 1e-4
+
+
 def test_penalized_greedy_matches_hf(llm, hf_model):
     batch = prompts(3, seed=10)
     plain = ids(llm, batch, greedy(24))
