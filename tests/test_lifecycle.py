@@ -17,7 +17,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.sequence import PENDING
 from nanovllm.engine.step_output import StepOutput
-from tests.conftest import in_background, within
+from tests.conftest import greedy as greedy_params, in_background, within
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)  # runs for over 10 s on the tiny model
@@ -98,11 +98,11 @@ def fail_finish(monkeypatch, which) -> list:
     """Finishing a handle which(handle) picks raises, as a tokenizer that cannot decode it would; returns those."""
     finish, failed = RequestHandle._on_finish, []
 
-    def failing_finish(handle, last_token_ids):
+    def failing_finish(handle):
         if which(handle):
             failed.append(handle)
             raise RuntimeError("injected finish fault")
-        return finish(handle, last_token_ids)
+        return finish(handle)
 
     monkeypatch.setattr(RequestHandle, "_on_finish", failing_finish)
     return failed
@@ -272,6 +272,60 @@ def test_close_ends_as_aborted_the_requests_of_a_step_that_completes_after_it_be
     assert len(outputs[0]["logprobs"]) == len(outputs[0]["token_ids"])
 
 
+def stream_adds_up(handle: RequestHandle) -> bool:
+    out, increments = handle.result(timeout=0), list(handle)
+    return ([t for increment in increments for t in increment["token_ids"]] == out["token_ids"]
+            and "".join(increment["text"] for increment in increments) == out["text"])
+
+
+@pytest.mark.parametrize("switch", ["as-the-step-tells-the-finishing-token", "after-the-output-is-made"])
+def test_a_stream_that_close_ends_adds_up_to_its_output(tiny_model, monkeypatch, switch):
+    # close() runs while the step in progress still feeds the handles (a thread switch forced where one could
+    # happen): whatever each stream got, it adds up to the output, one token neither more nor less
+    llm = engine(tiny_model)
+    closing = []
+
+    def close_now(seconds: float):
+        closing.append(threading.Thread(target=llm.close))
+        closing[0].start()
+        time.sleep(seconds)  # close() runs meanwhile
+
+    if switch == "as-the-step-tells-the-finishing-token":
+        on_token = RequestHandle._on_token
+
+        def switched_on_token(handle, token_id):
+            if handle.seq.is_finished and not closing:
+                close_now(0.3)
+            return on_token(handle, token_id)
+
+        monkeypatch.setattr(RequestHandle, "_on_token", switched_on_token)
+        handles = [llm.submit(PROMPT, greedy_params(3))]
+    else:
+        handles = [llm.submit([5 + i, 6, 7], LONG) for i in range(2)]
+        for handle in handles:
+            within(30, next, iter(handle))
+            in_background(list, handle)  # a reader that takes each token as it comes
+        complete, finish = llm.scheduler.complete, RequestHandle._finish
+
+        def complete_after_close_began(*args):  # the step passed its closed check before close() began
+            if not closing:
+                close_now(0.1)  # close() begins and makes its first output
+            return complete(*args)
+
+        def switched_finish(handle, *args):  # close() is switched out once, its first output made
+            if closing and threading.current_thread() is closing[0] and not getattr(switched_finish, "done", 0):
+                switched_finish.done = True
+                time.sleep(0.3)  # the step completes meanwhile
+            return finish(handle, *args)
+
+        monkeypatch.setattr(llm.scheduler, "complete", complete_after_close_began)
+        monkeypatch.setattr(RequestHandle, "_finish", switched_finish)
+    for handle in handles:
+        within(10, handle.result)
+    closing[0].join(15)
+    assert all(stream_adds_up(handle) for handle in handles)
+
+
 def test_close_ends_a_request_it_takes_in_while_a_failed_step_fails_the_others(tiny_model, monkeypatch):
     # a failed step fails its requests slowly; close() puts the inbox's request in the table meanwhile and
     # stalls: the step lets go of the handles it failed only, so close() still finds and aborts the new one
@@ -418,8 +472,8 @@ def test_a_step_racing_close_returns_what_it_finished(tiny_model, monkeypatch):
     handle = llm.add_request(PROMPT, GREEDY)
     finish = RequestHandle._on_finish
 
-    def finish_then_close(h, last_token_ids):
-        finish(h, last_token_ids)
+    def finish_then_close(h):
+        finish(h)
         within(30, llm.close)  # another thread's, as this step tidies up
 
     monkeypatch.setattr(RequestHandle, "_on_finish", finish_then_close)

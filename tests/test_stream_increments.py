@@ -49,7 +49,7 @@ def sample(handle: RequestHandle, token_id: int, last: bool = False) -> bool:
     if stopped:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
     if last or stopped:
-        handle._on_finish([token_id])
+        handle._on_finish()
     return stopped
 
 

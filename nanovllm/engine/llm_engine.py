@@ -297,7 +297,7 @@ class LLMEngine:
             handle = handles.pop(seq.seq_id, None)  # (None: failed above, or a close() in another thread)
             if handle is not None:
                 try:
-                    handle._on_finish([seq.last_token])
+                    handle._on_finish()
                 except Exception as error:  # (making its output) it fails alone too
                     self._fail_request(handle, error)
         return finished

@@ -45,6 +45,7 @@ class RequestHandle:
         self._detokenizer = (IncrementalDetokenizer(tokenizer, tokenizer_lock, params.skip_special_tokens)
                              if stream or params.stop else None)
         self._streamed = 0  # characters of text sent in increments
+        self._sent = 0  # token ids sent in increments
         # a stream holds back what may yet turn out to be the start of a stop string
         self._holdback = max(map(len, params.stop), default=1) - 1
         self._increments: list = []  # every increment made so far (and a final error, if any)
@@ -132,12 +133,12 @@ class RequestHandle:
                 end = max(len(detokenizer.text) - self._holdback, self._streamed)
                 self._record({"token_ids": self._unread, "text": detokenizer.text[self._streamed:end],
                               "finished": False})
+                self._sent += len(self._unread)
                 self._unread, self._streamed, made = [], end, True
-        if finished:
-            last_token_ids, output = last
-            self._record({"token_ids": self._unread + last_token_ids, "text": output["text"][self._streamed:],
-                          "finished": True, "finish_reason": output["finish_reason"],
-                          "stop_reason": output["stop_reason"]})
+        if finished:  # the rest of the output (the tokens that ended it were never unread)
+            self._record({"token_ids": last["token_ids"][self._sent:], "text": last["text"][self._streamed:],
+                          "finished": True, "finish_reason": last["finish_reason"],
+                          "stop_reason": last["stop_reason"]})
             self._unread = []
         elif last is not None:
             self._record(last)
@@ -154,14 +155,13 @@ class RequestHandle:
             except RuntimeError:  # its event loop has closed: nobody can read it any more
                 self._listeners.remove(listener)
 
-    def _finish(self, last, output: dict | None = None):
-        """Finish with `output` (`last`: the ids of its last increment and the output) or an error (`last`);
-        nothing changes once the handle has finished."""
+    def _finish(self, last: dict | BaseException):
+        """Finish with `last`, the output or an error; nothing changes once the handle has finished."""
         with self._changed:
             if self._done.is_set():
                 return
-            self._output = output
             self._error = last if isinstance(last, BaseException) else None
+            self._output = None if self._error else last
             self._last = last
             self._done.set()
             if self._listeners:
@@ -190,13 +190,12 @@ class RequestHandle:
                     self._changed.notify_all()
         return False
 
-    def _on_finish(self, last_token_ids: list[int]):
-        if self.finished:
-            return
-        output = self._make_output()
-        if not self._stream:  # the one increment of a handle nobody streamed: the whole completion
-            last_token_ids = output["token_ids"]
-        self._finish((last_token_ids, output), output)
+    def _on_finish(self):
+        """Finish with the output that the sequence holds now. The output is made under `_changed`, so no token
+        reaches the stream that it lacks, nor the reverse: close() ends handles while a step may still feed them."""
+        with self._changed:
+            if not self.finished:
+                self._finish(self._make_output())
 
     def _end_aborted(self):
         """Finish as aborted with the tokens it has (a token still on the device is not one of them); if that
@@ -205,7 +204,7 @@ class RequestHandle:
         seq = self.seq
         seq.finish_reason = seq.finish_reason or "abort"
         try:
-            self._on_finish([])
+            self._on_finish()
         except Exception as e:
             self._on_error(e)
 
