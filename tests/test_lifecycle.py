@@ -242,8 +242,7 @@ def test_close_ends_as_aborted_the_requests_of_a_step_that_completes_after_it_be
     # abort, as a thread switch would, while that step completes: the step raises "closed", which no request
     # may get, and close() may not change the sequences the step is using
     llm = engine(tiny_model)
-    with_logprobs = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True, logprobs=1)
-    handles = [llm.submit([5 + i, 6, 7], with_logprobs if i == 0 else LONG) for i in range(4)]
+    handles = [llm.submit([5 + i, 6, 7], greedy_params(3000, logprobs=1) if i == 0 else LONG) for i in range(4)]
     for handle in handles:
         within(30, next, iter(handle))
     run, make_output, loop = llm.model_runner.run, RequestHandle._make_output, llm._loop
@@ -286,8 +285,7 @@ def test_a_stream_that_close_ends_adds_up_to_its_output(tiny_model, monkeypatch,
     closing = []
 
     def close_now(seconds: float):
-        closing.append(threading.Thread(target=llm.close))
-        closing[0].start()
+        closing.append(in_background(llm.close)[0])
         time.sleep(seconds)  # close() runs meanwhile
 
     if switch == "as-the-step-tells-the-finishing-token":
