@@ -1,16 +1,15 @@
-"""The fused q/k norm, rope and KV store (`triton_rope_store`) against the unfused layers it replaces: `RMSNorm`
-on each head, `RotaryEmbedding`, and `TorchBackend.store_kvcache`. Without CUDA the kernel runs through Triton's
-interpreter (tests/conftest.py turns it on) in float32; with CUDA also in bf16, where it may differ from the
-unfused layers by the order of float32 sums, so by one unit in the last place of a few elements."""
+"""The fused q/k norm, rope and KV store (`triton_rope_store`) against the unfused layers it replaces."""
 import random
 
 import pytest
 import torch
 
-from nanovllm.layers.attention import FP8_DTYPE, VALUE_CHUNK, TorchBackend
+from nanovllm import LLM
+from nanovllm.layers.attention import FP8_DTYPE, VALUE_CHUNK, Attention, TorchBackend
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from tests.conftest import compile_for_sm90
+from nanovllm.layers import triton_kvstore
 from tests.test_triton_attention import assert_stored_as
 
 triton_rope_store = pytest.importorskip("nanovllm.layers.triton_rope_store")
@@ -21,22 +20,25 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 
-def unfused(q, k, v, positions, rope, q_norm, k_norm, k_cache, v_cache, slot_mapping, k_scale, v_scale):
-    if q_norm is not None:
-        q, k = q_norm(q), k_norm(k)
+def unfused(q, k, v, positions, rope, norms, caches, slots, *scales):
+    if norms[0] is not None:
+        q, k = norms[0](q), norms[1](k)
     q, k = rope(positions, q, k)
-    TorchBackend().store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    TorchBackend().store_kvcache(k, v, *caches, slots, *scales)
     return q
 
 
-def case(seed: int, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
-         fp8: bool, num_tokens: int = 7, block_size: int = 16, num_blocks: int = 6):
+def fused(q, k, v, positions, rope, norms, caches, slots, *scales):
+    weights = [norm and norm.weight for norm in norms]
+    return triton_rope_store.rope_store(q, k, v, positions, rope.cos_sin_cache, *weights, 1e-6, *caches, slots, *scales)
+
+
+def case(seed, dtype, num_heads, num_kv_heads, head_dim, qk_norm, fp8, num_tokens=7, block_size=16, num_blocks=6):
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = (torch.randn(num_tokens, width + 8, generator=gen) * 2).to(dtype).to(DEVICE)[:, 4:4 + width]  # strided
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q, k, v = (x.view(num_tokens, -1, head_dim) for x in (q, k, v))
+    q, k, v = qkv.unflatten(-1, (-1, head_dim)).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     rope = RotaryEmbedding(inv_freq, 4096).to(DEVICE)
     norms = [None, None]
@@ -47,12 +49,11 @@ def case(seed: int, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_
     positions = torch.tensor([rng.randrange(4096) for _ in range(num_tokens)], device=DEVICE)
     slots = rng.sample(range(num_blocks * block_size), num_tokens)
     slots[rng.randrange(num_tokens)] = -1  # the padding of a captured graph: stores nothing
-    slot_mapping = torch.tensor(slots, device=DEVICE)
     cache_dtype = FP8_DTYPE if fp8 else dtype
     caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE, cache_dtype)
               for _ in range(2)]
     scales = (0.0625, 3.0) if fp8 else (1.0, 1.0)  # a kernel that forgets one is off by 16x or 3x
-    return q, k, v, positions, rope, *norms, caches, slot_mapping, scales
+    return q, k, v, positions, rope, norms, caches, torch.tensor(slots, device=DEVICE), scales
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -65,19 +66,17 @@ def test_fused_equals_unfused(seed, dtype):
     qk_norm, fp8 = seed % 2 == 0, seed % 4 == 3
     if fp8 and DEVICE.type == "cpu" and not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("no float8 here")
-    q, k, v, positions, rope, q_norm, k_norm, caches, slot_mapping, (k_scale, v_scale) = case(
+    q, k, v, positions, rope, norms, caches, slots, scales = case(
         seed, dtype, num_heads, num_kv_heads, head_dim, qk_norm, fp8, block_size=VALUE_CHUNK if seed == 7 else 16)
     expected_caches = [c.clone() for c in caches]
-    expected = unfused(q, k, v, positions, rope, q_norm, k_norm, *expected_caches, slot_mapping, k_scale, v_scale)
-    got = triton_rope_store.rope_store(q, k, v, positions, rope.cos_sin_cache,
-                                       q_norm.weight if qk_norm else None, k_norm.weight if qk_norm else None,
-                                       1e-6, *caches, slot_mapping, k_scale, v_scale)
+    expected = unfused(q, k, v, positions, rope, norms, expected_caches, slots, *scales)
+    got = fused(q, k, v, positions, rope, norms, caches, slots, *scales)
     if dtype == torch.float32:  # the unfused layers' float32 sums run in another order
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         for cache, want in zip(caches, expected_caches):  # including the slots left alone (-1, and the rest)
             if fp8 and DEVICE.type == "cpu":
                 assert_stored_as(cache, want)
-            else:  # an FP8 value that a 1e-7 difference tips to its neighbour: one FP8 step (1/8) away
+            else:  # a 1e-7 difference may tip an FP8 value one step (1/8) away
                 torch.testing.assert_close(cache.float(), want.float(), atol=1e-5, rtol=0.13 if fp8 else 1e-5)
     else:  # bf16: where a float32 sum's order tips a rounding, one step of the stored dtype
         rtol = 0.13 if fp8 else 2 ** -7
@@ -85,50 +84,41 @@ def test_fused_equals_unfused(seed, dtype):
             torch.testing.assert_close(x.float(), y.float(), atol=1e-6, rtol=rtol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else []))
+@pytest.mark.parametrize("dtype", [torch.float16] + DTYPES[1:])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_fp8_keys_are_rounded_to_the_model_dtype_before_they_are_quantized(dtype, qk_norm):
-    """Into an FP8 cache the kernel stores what the unfused layers do: the rotated keys rounded to the model's dtype
-    (as the unfused rope returns them), then quantized. So its FP8 cache equals, byte for byte, the same kernel's
-    keys stored in the model's dtype and then quantized by the Triton store (the same rounding to FP8 on both sides,
-    which the interpreter does its own way). Quantizing the float32 keys differs where the rounding to the model's
-    dtype carries over an FP8 step: ~0.4% of float16 keys, ~3% of bf16's (here 64 tokens x 4 heads x 128 dims)."""
-    from nanovllm.layers.triton_kvstore import store_kvcache
-    q, k, v, positions, rope, q_norm, k_norm, caches, slots, (k_scale, v_scale) = case(
+    """The FP8 cache equals, byte for byte, the kernel's keys stored in the model's dtype, then quantized."""
+    q, k, v, positions, rope, norms, caches, slots, scales = case(
         3, dtype, 8, 4, 128, qk_norm, True, num_tokens=64, num_blocks=8)
-    weights = (q_norm.weight, k_norm.weight) if qk_norm else (None, None)
 
-    def fp8_keys_of(q, k, v):
-        fused = [c.clone() for c in caches]
-        triton_rope_store.rope_store(q, k, v, positions, rope.cos_sin_cache, *weights, 1e-6, *fused, slots, k_scale, v_scale)
-        return fused
+    def fp8_caches(q, k, v):
+        out = [c.clone() for c in caches]
+        fused(q, k, v, positions, rope, norms, out, slots, *scales)
+        return out
 
-    wide = [torch.zeros(c.shape, dtype=dtype, device=DEVICE) for c in caches]
-    triton_rope_store.rope_store(q, k, v, positions, rope.cos_sin_cache, *weights, 1e-6, *wide, slots)
+    wide = [torch.zeros_like(c, dtype=dtype) for c in caches]
+    fused(q, k, v, positions, rope, norms, wide, slots)
     rounded_k = wide[0].flatten(0, 1)[slots.clamp(min=0)]  # (the padding slot's row: stored nowhere)
     want = [c.clone() for c in caches]
-    store_kvcache(rounded_k, v, *want, slots, k_scale, v_scale)
-    for got, expected in zip(fp8_keys_of(q, k, v), want):
+    triton_kvstore.store_kvcache(rounded_k, v, *want, slots, *scales)
+    for got, expected in zip(fp8_caches(q, k, v), want):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
-    if not qk_norm:  # the test's reach: keys quantized from float32 (the norms would round elsewhere too)
-        unrounded = fp8_keys_of(q.float(), k.float(), v.float())[0]
+    if not qk_norm:  # the test's reach: keys quantized from float32 differ (~0.4% of fp16's, ~3% of bf16's)
+        unrounded = fp8_caches(q.float(), k.float(), v.float())[0]
         assert (unrounded.view(torch.uint8) != want[0].view(torch.uint8)).float().mean() > 1e-3
 
 
 def test_the_decoder_passes_its_norms_and_slots_to_the_kernel(tiny_model):
-    """`DecoderAttention.project` with the fused kernel equals the unfused layers, at hidden states so small that
-    the norms' eps decides their output (a wrong or missing eps, weight or slot shows)."""
-    from nanovllm import LLM
-    # 2 blocks (slots 0-31), not a gigabyte of them: on CPU Triton's interpreter copies the caches at each launch
+    """`DecoderAttention.project` fused equals unfused, at hidden states so small that the norms' eps shows."""
+    # 2 blocks: on CPU the interpreter copies the caches at each launch
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=2) as llm, torch.inference_mode():
         layer = llm.model_runner.model.model.layers[1].self_attn
         assert layer.qk_norm
         attn = layer.attn
-        gen = torch.Generator().manual_seed(0)
-        device = layer.qkv_proj.weight.device  # CUDA where there is one: the engine picks it
-        hidden = (torch.randn(5, layer.qkv_proj.weight.size(1), generator=gen) * 1e-4).to(device)
-        positions, slots = torch.tensor([0, 9, 3, 17, 40], device=device), torch.tensor([16, 17, 18, 19, 20],
-                                                                                         device=device)
+        weight, gen = layer.qkv_proj.weight, torch.Generator().manual_seed(0)
+        device = weight.device  # CUDA where there is one: the engine picks it
+        hidden = (torch.randn(5, weight.size(1), generator=gen) * 1e-4).to(device)
+        positions, slots = (torch.tensor(x, device=device) for x in ([0, 9, 3, 17, 40], [16, 17, 18, 19, 20]))
         attn.fuse_rope_store = False
         q, k, v = layer.project(positions, hidden, slots)
         attn.fuse_rope_store = True
@@ -141,17 +131,12 @@ def test_the_decoder_passes_its_norms_and_slots_to_the_kernel(tiny_model):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
 
 
-def test_the_fused_store_waits_for_a_cache_and_a_backend_that_can():
-    from nanovllm.layers.attention import Attention
+def test_the_fused_store_waits_for_a_cache_and_a_backend_that_can(tiny_model, monkeypatch):
     attn = Attention(4, 64, 0.125, 2)
     attn.fuse_rope_store = True
     assert not attn.fused_store  # no cache yet (the memory-profiling run): the attention stores, not the decoder
     attn.k_cache = attn.v_cache = torch.zeros(3, 16, 2, 64)
     assert attn.fused_store
-
-
-def test_the_switch_turns_nothing_on_where_the_store_is_not_triton(tiny_model, monkeypatch):
-    from nanovllm import LLM
     monkeypatch.setenv("NANOVLLM_FUSED_ROPE_STORE", "1")
     with LLM(tiny_model, device="cpu") as llm:  # the torch backend on CPU: its store is not Triton's
         assert not llm.model_runner.backend.fuses_rope_store
@@ -159,9 +144,7 @@ def test_the_switch_turns_nothing_on_where_the_store_is_not_triton(tiny_model, m
 
 
 def test_compiles_for_sm90():
-    """The CPU tests run the kernel through Triton's interpreter, which does not type-check it: one that ran there
-    failed to compile on the H200 (a mask redefined with the KV heads' shape inside the `if`). Qwen3-0.6B's heads
-    with q/k norms, and 14 heads (not a power of two) over 2 without norms into an FP8 cache."""
+    """The interpreter does not type-check: Qwen3-0.6B's heads with norms; 14 over 2 heads into an FP8 cache."""
     cases = []
     for qk_norm, fp8, num_heads, num_kv_heads in [(True, False, 16, 8), (False, True, 14, 2)]:
         cache, weights = "fp8e4nv" if fp8 else "bf16", "bf16" if qk_norm else "fp32"  # else cos_sin stands in
