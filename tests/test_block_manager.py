@@ -5,33 +5,44 @@ from nanovllm.engine.sequence import Sequence
 BS = 4
 
 
-def computed(bm: BlockManager, seq: Sequence):
-    """Pretend every token but the last was computed, as after a prefill, and hash the full blocks."""
-    seq.num_computed_tokens = seq.num_tokens - 1
-    bm.hash_computed_blocks(seq, 0)
+def seq(*args) -> Sequence:
+    return Sequence(list(range(*args)))
+
+
+def computed(bm: BlockManager, s: Sequence, n: int | None = None):
+    """Pretend n tokens (all but the last, as after a prefill) were computed; hash the full blocks."""
+    s.num_computed_tokens = s.num_tokens - 1 if n is None else n
+    bm.hash_computed_blocks(s, 0)
+
+
+def cached(bm: BlockManager, s: Sequence, n: int | None = None, free: bool = True) -> Sequence:
+    """Allocate and compute s, and free it unless free=False: its blocks stay cached."""
+    bm.allocate(s)
+    computed(bm, s, n)
+    if free:
+        bm.deallocate(s)
+    return s
 
 
 def test_hash_is_chained():
-    assert compute_hash([1, 2, 3, 4]) == compute_hash([1, 2, 3, 4])
-    assert compute_hash([1, 2, 3, 4], prefix=7) != compute_hash([1, 2, 3, 4], prefix=8)
-    assert compute_hash([1, 2, 3, 4]) != compute_hash([1, 2, 3, 5])
+    h, block = compute_hash, [1, 2, 3, 4]
+    assert h(block) == h([1, 2, 3, 4]) and h(block, prefix=7) != h(block, prefix=8) and h(block) != h([1, 2, 3, 5])
 
 
 def test_allocate_and_free_everything():
-    bm = BlockManager(10, BS)
-    seq = Sequence(list(range(10)))
-    assert bm.allocate(seq)
-    assert len(seq.block_table) == 3 and seq.num_computed_tokens == 0 and seq.num_cached_tokens == 0
+    bm, s, big = BlockManager(10, BS), seq(10), seq(100, 133)
+    assert bm.allocate(s)
+    assert len(s.block_table) == 3 and s.num_computed_tokens == 0 and s.num_cached_tokens == 0
     assert bm.num_free_blocks == 7
-    bm.deallocate(seq)
-    assert bm.num_free_blocks == 10 and seq.block_table == []
+    assert not bm.allocate(big)  # 9 blocks: an allocation that does not fit changes nothing
+    assert bm.num_free_blocks == 7 and big.block_table == []
+    bm.deallocate(s)
+    assert bm.num_free_blocks == 10 and s.block_table == []
 
 
 def test_prefix_hit_shares_blocks_and_counts_refs():
-    bm = BlockManager(10, BS)
-    a = Sequence(list(range(10)))
+    bm, a, b = BlockManager(10, BS), seq(10), seq(10)
     bm.allocate(a)
-    b = Sequence(list(range(10)))
     bm.allocate(b)
     assert b.num_cached_tokens == 0  # a's KV is not computed yet: no hit on allocation alone
     bm.deallocate(b)
@@ -49,41 +60,29 @@ def test_prefix_hit_shares_blocks_and_counts_refs():
 
 def test_last_token_is_always_computed():
     bm = BlockManager(10, BS)
-    a = Sequence(list(range(8)))
-    bm.allocate(a)
-    a.num_computed_tokens = 8
-    bm.hash_computed_blocks(a, 0)
-    bm.deallocate(a)
-    b = Sequence(list(range(8)))  # fully cached, but its last token must run to give logits
+    cached(bm, seq(8), 8)
+    b = seq(8)  # fully cached, but its last token must run to give logits
     bm.allocate(b)
     assert b.num_computed_tokens == 4
 
 
 def test_freed_blocks_stay_cached_until_reused():
     bm = BlockManager(4, BS)
-    a = Sequence(list(range(9)))
-    bm.allocate(a)
-    computed(bm, a)
-    bm.deallocate(a)
-    b = Sequence(list(range(9)))
+    cached(bm, seq(9))
+    b = seq(9)
     assert bm.allocate(b) and b.num_cached_tokens == 8  # hit on freed blocks
     bm.deallocate(b)
-    # a different request takes every block, which evicts the cached hashes
-    c = Sequence(list(range(100, 116)))
+    c = seq(100, 116)  # a different request takes every block, which evicts the cached hashes
     assert bm.allocate(c)
     bm.deallocate(c)
     assert bm.hash_to_block_id == {}
-    d = Sequence(list(range(9)))
+    d = seq(9)
     assert bm.allocate(d) and d.num_cached_tokens == 0
 
 
 def test_cached_blocks_are_claimed_before_fresh_ones_evict_them():
     bm = BlockManager(2, BS)
-    x = Sequence([0, 1, 2, 3])
-    bm.allocate(x)
-    x.num_computed_tokens = 4
-    bm.hash_computed_blocks(x, 0)
-    bm.deallocate(x)
+    cached(bm, seq(4), 4)
     y = Sequence([7, 7, 7, 7])
     bm.allocate(y)
     bm.deallocate(y)
@@ -93,45 +92,28 @@ def test_cached_blocks_are_claimed_before_fresh_ones_evict_them():
     assert b.num_cached_tokens == 4 and b.block_table == [0, 1]
 
 
-def test_allocation_that_does_not_fit_changes_nothing():
-    bm = BlockManager(3, BS)
-    a = Sequence(list(range(8)))
-    bm.allocate(a)
-    big = Sequence(list(range(100, 109)))
-    assert not bm.allocate(big)
-    assert bm.num_free_blocks == 1 and big.block_table == []
-
-
 def test_append_slots_grows_block_table():
-    bm = BlockManager(3, BS)
-    seq = Sequence(list(range(4)))
-    bm.allocate(seq)
-    seq.num_computed_tokens = 4
-    seq.append_token(4)
-    assert bm.can_append(seq)
-    bm.append_slots(seq)
-    assert len(seq.block_table) == 2
-    bm.append_slots(seq)  # idempotent while the block has room
-    assert len(seq.block_table) == 2
-    seq.num_computed_tokens = 8
-    assert bm.can_append(seq)
-    bm.append_slots(seq)
-    assert len(seq.block_table) == 3
-    seq.num_computed_tokens = 12
-    assert not bm.can_append(seq)
+    bm, s = BlockManager(3, BS), seq(4)
+    bm.allocate(s)
+    s.num_computed_tokens = 4
+    s.append_token(4)
+    for computed_tokens, blocks in ((4, 2), (4, 2), (8, 3)):  # the second append is idempotent: the block has room
+        s.num_computed_tokens = computed_tokens
+        assert bm.can_append(s)
+        bm.append_slots(s)
+        assert len(s.block_table) == blocks
+    s.num_computed_tokens = 12
+    assert not bm.can_append(s)
 
 
 def test_a_cached_block_is_reused_only_after_the_same_prefix():
     bm = BlockManager(16, BS)
     w, x, y, z = [1] * BS, [2] * BS, [3] * BS, [4] * BS
     for tokens in (w + y + [0], x + z + [0]):  # y's block is cached after w; x's block is cached too
-        seq = Sequence(tokens)
-        bm.allocate(seq)
-        computed(bm, seq)
-        bm.deallocate(seq)
-    seq = Sequence(x + y + [0])
-    assert bm.allocate(seq)
-    assert seq.num_cached_tokens == BS  # x only: this y follows x, so its KV differs from the cached one
+        cached(bm, Sequence(tokens))
+    s = Sequence(x + y + [0])
+    assert bm.allocate(s)
+    assert s.num_cached_tokens == BS  # x only: this y follows x, so its KV differs from the cached one
 
 
 def test_each_block_of_a_sequence_is_hashed_once(monkeypatch):
@@ -139,9 +121,7 @@ def test_each_block_of_a_sequence_is_hashed_once(monkeypatch):
     monkeypatch.setattr("nanovllm.engine.block_manager.compute_hash",
                         lambda token_ids, prefix=-1: hashed.append(token_ids) or compute_hash(token_ids, prefix))
     bm = BlockManager(10, BS)
-    holder = Sequence(list(range(17)))
-    bm.allocate(holder)
-    computed(bm, holder)
+    holder = cached(bm, seq(17), free=False)
     assert len(hashed) == 4
     bm.allocate(Sequence([50, 51]))  # leaves 4 blocks free
     waiting = Sequence(list(range(16)) + list(range(100, 117)))  # the same 4 blocks, then 5 of its own
@@ -157,36 +137,29 @@ def test_each_block_of_a_sequence_is_hashed_once(monkeypatch):
 
 
 def test_blocks_are_made_when_first_handed_out():
-    """A cache of a million blocks costs nothing per block to manage until blocks are used (a small model's cache
-    on an H200 holds 16M blocks of 16: making them all at start took 42 s and 5 GB of host memory); fresh blocks
-    go out by id, before any freed one."""
+    """Blocks are made lazily (16M blocks at start took 42 s and 5 GB); fresh ids go out before freed ones."""
     bm = BlockManager(1_000_000, BS)
     assert bm.blocks == [] and bm.num_free_blocks == 1_000_000
-    a, b = Sequence(list(range(9))), Sequence(list(range(100, 105)))
+    a, b = seq(9), seq(100, 105)
     assert bm.allocate(a) and bm.allocate(b)
     assert a.block_table == [0, 1, 2] and b.block_table == [3, 4] and len(bm.blocks) == 5
     bm.deallocate(a)
     assert bm.num_free_blocks == 1_000_000 - 2 and list(bm.free_block_ids) == [2, 1, 0]
-    c = Sequence(list(range(200, 204)))
+    c = seq(200, 204)
     assert bm.allocate(c) and c.block_table == [5]  # fresh before freed
 
 
 def test_a_hash_collision_is_no_hit(monkeypatch):
     monkeypatch.setattr("nanovllm.engine.block_manager.compute_hash", lambda token_ids, prefix=-1: 1)
-    bm = BlockManager(10, BS)
-    a, b = Sequence(list(range(9))), Sequence(list(range(100, 109)))
-    bm.allocate(a)
-    computed(bm, a)
+    bm, b = BlockManager(10, BS), seq(100, 109)
+    cached(bm, seq(9), free=False)
     assert bm.allocate(b) and b.num_cached_tokens == 0
 
 
 def test_a_prefix_differing_in_a_blocks_last_token_is_no_hit():
-    """A cached block is shared only by a prompt holding every one of its tokens: one that differs only in
-    the block's last token gets a block of its own (its KV differs)."""
+    """A prompt differing from a cached block only in that block's last token gets a block of its own."""
     bm = BlockManager(10, BS)
-    a = Sequence(list(range(10)))
-    bm.allocate(a)
-    computed(bm, a)
+    a = cached(bm, seq(10), free=False)
     b = Sequence([0, 1, 2, 99] + list(range(4, 10)))
     assert bm.allocate(b)
     assert b.num_cached_tokens == 0 and b.block_table[0] != a.block_table[0]

@@ -9,10 +9,13 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 EOS = 1
 
 
-def make_scheduler(tiny_model, prefill_first=True, **kwargs) -> Scheduler:
+def make_scheduler(tiny_model, *seqs, prefill_first=True, **kwargs) -> Scheduler:
     config = Config(tiny_model, kvcache_block_size=16, prefill_first=prefill_first, **kwargs)
     config.eos_token_ids = (EOS,)
-    return Scheduler(config)
+    s = Scheduler(config)
+    for seq in seqs:
+        s.add(seq)
+    return s
 
 
 def step(scheduler: Scheduler, token: int = 5):
@@ -23,146 +26,90 @@ def step(scheduler: Scheduler, token: int = 5):
     return plan, scheduler.postprocess(seqs, tokens)
 
 
+def plan(s: Scheduler, token: int = 5) -> dict:
+    return step(s, token)[0]
+
+
 def test_chunked_prefill_then_decode(tiny_model):
-    s = make_scheduler(tiny_model, max_num_batched_tokens=32, num_kvcache_blocks=64)
     a, b = Sequence([9] * 50), Sequence([9] * 10)
-    s.add(a)
-    s.add(b)
-    assert step(s)[0] == {a.seq_id: 32}  # a is chunked at the budget
-    assert step(s)[0] == {a.seq_id: 18, b.seq_id: 10}  # a finishes its prompt, b joins
+    s = make_scheduler(tiny_model, a, b, max_num_batched_tokens=32, num_kvcache_blocks=64)
+    assert plan(s) == {a.seq_id: 32}  # a is chunked at the budget
+    assert plan(s) == {a.seq_id: 18, b.seq_id: 10}  # a finishes its prompt, b joins
     assert a.num_completion_tokens == 1 and b.num_completion_tokens == 1
-    assert step(s)[0] == {a.seq_id: 1, b.seq_id: 1}  # both decode
+    assert plan(s) == {a.seq_id: 1, b.seq_id: 1}  # both decode
 
 
-def test_prefill_first_finishes_a_chunked_prompt_before_decoding(tiny_model):
-    """A chunk that leaves 2 tokens of its prompt: the next step prefills them alone (a step is all prefill or all
-    decode), and only then does the prompt decode beside the others."""
-    s = make_scheduler(tiny_model, max_num_batched_tokens=32, num_kvcache_blocks=64)
-    b, a = Sequence([9] * 4), Sequence([9] * 34)
+@pytest.mark.parametrize("chunks", [[4], [32, 2]])
+def test_prefill_runs_before_decode(tiny_model, chunks):
+    """Waiting prompts first, decodes stall: a step is all prefill or all decode, a chunked prompt's last one too."""
+    a, b = Sequence([9] * 4), Sequence([9] * sum(chunks))
+    s = make_scheduler(tiny_model, a, max_num_batched_tokens=32, num_kvcache_blocks=64)
+    assert plan(s) == {a.seq_id: 4}
     s.add(b)
-    assert step(s)[0] == {b.seq_id: 4}
-    s.add(a)
-    assert step(s)[0] == {a.seq_id: 32}
-    assert step(s)[0] == {a.seq_id: 2}
-    assert step(s)[0] == {b.seq_id: 1, a.seq_id: 1}
+    for chunk in chunks:
+        assert plan(s) == {b.seq_id: chunk}
+    assert plan(s) == {a.seq_id: 1, b.seq_id: 1}
 
 
 @pytest.mark.parametrize("prefill_first", [True, False])
 def test_a_prompt_of_max_model_len_is_prefilled_in_chunks_and_gets_one_token(tiny_model, prefill_first):
-    """A prompt as long as max_model_len (the engine takes it) has reached the length limit before its first
-    token: its chunks are still scheduled, and it ends with one token."""
-    s = make_scheduler(tiny_model, prefill_first=prefill_first, max_num_batched_tokens=32, num_kvcache_blocks=64,
-                       max_model_len=80)
+    """A prompt of max_model_len tokens is still prefilled in chunks, and ends with one token."""
     a = Sequence([9] * 80, SamplingParams(max_tokens=10))
-    s.add(a)
-    assert step(s)[0] == {a.seq_id: 32}
-    assert step(s)[0] == {a.seq_id: 32}
-    plan, finished = step(s)
-    assert plan == {a.seq_id: 16} and finished == [a]
+    s = make_scheduler(tiny_model, a, prefill_first=prefill_first, max_num_batched_tokens=32, num_kvcache_blocks=64,
+                       max_model_len=80)
+    assert plan(s) == {a.seq_id: 32}
+    assert plan(s) == {a.seq_id: 32}
+    assert step(s) == ({a.seq_id: 16}, [a])
     assert a.num_completion_tokens == 1 and a.finish_reason == "length"
 
 
-def test_prefill_runs_before_decode(tiny_model):
-    s = make_scheduler(tiny_model, num_kvcache_blocks=64)
-    a = Sequence([9] * 4)
-    s.add(a)
-    step(s)
-    b = Sequence([9] * 4)
-    s.add(b)
-    assert step(s)[0] == {b.seq_id: 4}  # nano-vllm's policy: waiting prompts first, decodes stall
-    assert step(s)[0] == {a.seq_id: 1, b.seq_id: 1}
-
-
 def test_mixed_step_decodes_while_prompts_prefill(tiny_model):
-    s = make_scheduler(tiny_model, prefill_first=False, max_num_batched_tokens=32, num_kvcache_blocks=64)
-    a = Sequence([9] * 4)
-    s.add(a)
-    assert step(s)[0] == {a.seq_id: 4}
-    b, c = Sequence([9] * 40), Sequence([8] * 10)
+    a, b, c = Sequence([9] * 4), Sequence([9] * 40), Sequence([8] * 10)
+    s = make_scheduler(tiny_model, a, prefill_first=False, max_num_batched_tokens=32, num_kvcache_blocks=64)
+    assert plan(s) == {a.seq_id: 4}
     s.add(b)
     s.add(c)
-    assert step(s)[0] == {a.seq_id: 1, b.seq_id: 31}  # a decodes, b fills the rest of the budget
-    assert step(s)[0] == {a.seq_id: 1, b.seq_id: 9, c.seq_id: 10}  # b's last chunk, then c in one step
-    assert step(s)[0] == {a.seq_id: 1, b.seq_id: 1, c.seq_id: 1}
+    assert plan(s) == {a.seq_id: 1, b.seq_id: 31}  # a decodes, b fills the rest of the budget
+    assert plan(s) == {a.seq_id: 1, b.seq_id: 9, c.seq_id: 10}  # b's last chunk, then c in one step
+    assert plan(s) == {a.seq_id: 1, b.seq_id: 1, c.seq_id: 1}
     assert a.num_completion_tokens == 4 and b.num_completion_tokens == 2 and c.num_completion_tokens == 2
 
 
-def test_mixed_preemption_when_blocks_run_out(tiny_model):
-    s = make_scheduler(tiny_model, prefill_first=False, num_kvcache_blocks=2, max_model_len=32)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    a, b = Sequence([9] * 16, params), Sequence([8] * 16, params)
-    s.add(a)
-    s.add(b)
-    step(s)
-    assert step(s)[0] == {a.seq_id: 1} and b.status == SequenceStatus.WAITING and s.num_preemptions == 1
-    while not a.is_finished:
-        step(s)
-    assert step(s)[0] == {b.seq_id: 17}
-
-
 def test_max_num_seqs_limits_running(tiny_model):
-    s = make_scheduler(tiny_model, max_num_seqs=2, num_kvcache_blocks=64)
-    seqs = [Sequence([9] * 4) for _ in range(3)]
-    for seq in seqs:
-        s.add(seq)
-    assert len(step(s)[0]) == 2 and len(s.waiting) == 1
+    s = make_scheduler(tiny_model, *(Sequence([9] * 4) for _ in range(3)), max_num_seqs=2, num_kvcache_blocks=64)
+    assert len(plan(s)) == 2 and len(s.waiting) == 1
 
 
-def test_preemption_when_blocks_run_out(tiny_model):
-    s = make_scheduler(tiny_model, num_kvcache_blocks=2, max_model_len=32)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    a, b = Sequence([9] * 16, params), Sequence([8] * 16, params)
-    s.add(a)
-    s.add(b)
-    step(s)  # both prefill: one block each, full
-    plan, _ = step(s)  # each decode needs a second block: the newest is preempted
-    assert plan == {a.seq_id: 1}
+@pytest.mark.parametrize("prefill_first", [True, False])
+def test_preemption_when_blocks_run_out(tiny_model, prefill_first):
+    params = SamplingParams(max_tokens=10, ignore_eos=True)  # a fits in two blocks
+    a, b, c = Sequence([9] * 16, params), Sequence([8] * 16, params), Sequence([7] * 16, params)
+    s = make_scheduler(tiny_model, a, b, c, prefill_first=prefill_first, num_kvcache_blocks=2, max_model_len=48)
+    assert plan(s) == {a.seq_id: 16, b.seq_id: 16}  # c waits: no block left
+    assert plan(s) == {a.seq_id: 1}  # a's decode needs a second block: the newest, b, is preempted
     assert b.status == SequenceStatus.WAITING and b.block_table == [] and s.num_preemptions == 1
     assert b.num_completion_tokens == 1  # its sampled token is kept and recomputed later
+    assert list(s.waiting) == [b, c]  # ahead of c, which arrived after it
     while a.status != SequenceStatus.FINISHED:
         step(s)
-    plan, _ = step(s)  # b comes back with its prompt and its generated token
-    assert plan == {b.seq_id: 17}  # a took its freed block, so all 17 tokens are recomputed
+    assert plan(s) == {b.seq_id: 17}  # b is back with its generated token; a took its freed block: all recomputed
 
 
-@pytest.mark.parametrize("params, tokens, reason, length", [
-    (SamplingParams(max_tokens=3), [5, 5, 5, 5], "length", 3),
-    (SamplingParams(max_tokens=10), [5, EOS, 5], "stop", 2),
-    (SamplingParams(max_tokens=3, ignore_eos=True), [EOS, EOS, EOS, EOS], "length", 3),
+@pytest.mark.parametrize("params, tokens, reason, length, max_model_len", [
+    (SamplingParams(max_tokens=3), [5, 5, 5, 5], "length", 3, 4096),
+    (SamplingParams(max_tokens=10), [5, EOS, 5], "stop", 2, 4096),
+    (SamplingParams(max_tokens=3, ignore_eos=True), [EOS, EOS, EOS, EOS], "length", 3, 4096),
+    (SamplingParams(max_tokens=100), [5, 5, 5], "length", 2, 6),  # at max_model_len: 4 + 2 tokens
 ])
-def test_finish_conditions(tiny_model, params, tokens, reason, length):
-    s = make_scheduler(tiny_model, num_kvcache_blocks=8)
+def test_finish_conditions(tiny_model, params, tokens, reason, length, max_model_len):
     seq = Sequence([9] * 4, params)
-    s.add(seq)
+    s = make_scheduler(tiny_model, seq, num_kvcache_blocks=8, max_model_len=max_model_len)
     for token in tokens:
         _, finished = step(s, token)
         if finished:
             break
     assert finished == [seq] and seq.finish_reason == reason and seq.num_completion_tokens == length
     assert s.is_finished() and s.block_manager.num_free_blocks == 8
-
-
-def test_finish_at_max_model_len(tiny_model):
-    s = make_scheduler(tiny_model, num_kvcache_blocks=8, max_model_len=6)
-    seq = Sequence([9] * 4, SamplingParams(max_tokens=100))
-    s.add(seq)
-    while not seq.is_finished:
-        step(s)
-    assert seq.finish_reason == "length" and len(seq) == 6
-
-
-def test_a_preempted_sequence_goes_back_first(tiny_model):
-    s = make_scheduler(tiny_model, num_kvcache_blocks=2, max_model_len=48)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)  # a fits in two blocks
-    a, b, c = Sequence([9] * 16, params), Sequence([8] * 16, params), Sequence([7] * 16, params)
-    for seq in (a, b, c):
-        s.add(seq)
-    assert step(s)[0] == {a.seq_id: 16, b.seq_id: 16}  # c waits: no block left
-    assert step(s)[0] == {a.seq_id: 1}  # a's decode needs a second block: b is preempted
-    assert list(s.waiting) == [b, c]  # ahead of c, which arrived after it
-    while not a.is_finished:
-        step(s)
-    assert step(s)[0] == {b.seq_id: 17}
 
 
 def launch(s: Scheduler) -> tuple:
@@ -176,9 +123,8 @@ def launch(s: Scheduler) -> tuple:
 
 
 def test_a_preempted_sequence_waits_for_its_pending_token(tiny_model):
-    s = make_scheduler(tiny_model, prefill_first=False, num_kvcache_blocks=8)
     a = Sequence([9] * 10, SamplingParams(max_tokens=5, ignore_eos=True))
-    s.add(a)
+    s = make_scheduler(tiny_model, a, prefill_first=False, num_kvcache_blocks=8)
     _, sampled, filled = launch(s)
     assert a.is_pending
     s.running.remove(a)
@@ -189,9 +135,8 @@ def test_a_preempted_sequence_waits_for_its_pending_token(tiny_model):
 
 
 def test_a_step_hashes_only_the_blocks_it_filled(tiny_model):
-    s = make_scheduler(tiny_model, prefill_first=False, num_kvcache_blocks=8, max_num_batched_tokens=32)
     a = Sequence(list(range(3, 43)), SamplingParams(max_tokens=5, ignore_eos=True))
-    s.add(a)
+    s = make_scheduler(tiny_model, a, prefill_first=False, num_kvcache_blocks=8, max_num_batched_tokens=32)
     _, sampled, filled = launch(s)  # the first 32 tokens of the prompt: two blocks
     s.running.remove(a)
     s._preempt(a)
@@ -203,21 +148,17 @@ def test_a_step_hashes_only_the_blocks_it_filled(tiny_model):
 
 
 def test_a_decode_step_keeps_to_the_token_budget(tiny_model):
-    s = make_scheduler(tiny_model, num_kvcache_blocks=16, max_num_batched_tokens=8)
     seqs = [Sequence([9] * 4) for _ in range(3)]
-    for seq in seqs:
-        s.add(seq)
-    assert step(s)[0] == {seqs[0].seq_id: 4, seqs[1].seq_id: 4}  # the third prompt does not fit the budget
-    assert step(s)[0] == {seqs[2].seq_id: 4}
+    s = make_scheduler(tiny_model, *seqs, num_kvcache_blocks=16, max_num_batched_tokens=8)
+    assert plan(s) == {seqs[0].seq_id: 4, seqs[1].seq_id: 4}  # the third prompt does not fit the budget
+    assert plan(s) == {seqs[2].seq_id: 4}
     s.max_num_batched_tokens = 2
-    assert len(step(s)[0]) == 2  # three sequences decode, two at a time
+    assert len(plan(s)) == 2  # three sequences decode, two at a time
 
 
 def test_a_sequence_whose_pending_token_ends_it_holds_back_no_other(tiny_model):
-    s = make_scheduler(tiny_model, prefill_first=False, num_kvcache_blocks=8)
     a, b = Sequence([9] * 4, SamplingParams(max_tokens=1)), Sequence([8] * 4, SamplingParams(max_tokens=5))
-    s.add(a)
-    s.add(b)
+    s = make_scheduler(tiny_model, a, b, prefill_first=False, num_kvcache_blocks=8)
     launch(s)
     assert s.schedule() == [b] and b.num_scheduled_tokens == 1
 
@@ -227,9 +168,8 @@ def test_a_sequence_whose_pending_token_ends_it_holds_back_no_other(tiny_model):
     (SamplingParams(max_tokens=10, stop_token_ids=[7]), 7, 7),
 ])
 def test_stop_reason_is_none_for_eos_and_the_token_for_a_stop_token(tiny_model, params, token, stop_reason):
-    """As vLLM: a sequence ended by EOS has stop_reason None; one ended by a stop token id has that id."""
-    s = make_scheduler(tiny_model, num_kvcache_blocks=8)
+    """As vLLM: EOS gives stop_reason None; a stop token id gives that id."""
     seq = Sequence([9] * 4, params)
-    s.add(seq)
+    s = make_scheduler(tiny_model, seq, num_kvcache_blocks=8)
     _, finished = step(s, token)
     assert finished == [seq] and seq.finish_reason == "stop" and seq.stop_reason == stop_reason
