@@ -238,9 +238,7 @@ def test_close_ends_a_request_nobody_took_in(tiny_model):
 
 
 def test_close_ends_as_aborted_the_requests_of_a_step_that_completes_after_it_began(tiny_model, monkeypatch):
-    # close() begins while a step is launching (every sequence's last token pending) and stalls in its first
-    # abort, as a thread switch would, while that step completes: the step raises "closed", which no request
-    # may get, and close() may not change the sequences the step is using
+    # close() stalls in its first abort while a launching step (tokens pending) completes and raises "closed"
     llm = engine(tiny_model)
     handles = [llm.submit([5 + i, 6, 7], greedy_params(3000, logprobs=1) if i == 0 else LONG) for i in range(4)]
     for handle in handles:
@@ -279,8 +277,7 @@ def stream_adds_up(handle: RequestHandle) -> bool:
 
 @pytest.mark.parametrize("switch", ["as-the-step-tells-the-finishing-token", "after-the-output-is-made"])
 def test_a_stream_that_close_ends_adds_up_to_its_output(tiny_model, monkeypatch, switch):
-    # close() runs while the step in progress still feeds the handles (a thread switch forced where one could
-    # happen): whatever each stream got, it adds up to the output, one token neither more nor less
+    # close() runs while the step still feeds the handles (a forced switch): each stream adds up to its output
     llm = engine(tiny_model)
     closing = []
 
@@ -325,8 +322,7 @@ def test_a_stream_that_close_ends_adds_up_to_its_output(tiny_model, monkeypatch,
 
 
 def test_close_ends_a_request_it_takes_in_while_a_failed_step_fails_the_others(tiny_model, monkeypatch):
-    # a failed step fails its requests slowly; close() puts the inbox's request in the table meanwhile and
-    # stalls: the step lets go of the handles it failed only, so close() still finds and aborts the new one
+    # close() moves the inbox's request into the table while a failed step fails the others: it is not lost
     llm = engine(tiny_model)
     first = running(llm)
     loop, runner = llm._loop, llm.model_runner

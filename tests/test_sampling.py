@@ -299,7 +299,7 @@ def test_penalty_slots_grow_by_doubling_up_to_max_num_seqs():
 
 
 def test_a_full_length_prompt_samples_its_one_penalized_token(tiny_model, hf_model):
-    # its token goes to position max_model_len of its penalty slot
+    # its token fills its penalty slot's last position
     prompt = [random.Random(11).randrange(3, 500) for _ in range(64)]
     with LLM(tiny_model, kvcache_block_size=16, max_model_len=len(prompt)) as engine:
         out = one(engine, prompt, greedy(4, repetition_penalty=1.3, frequency_penalty=0.5))

@@ -216,7 +216,7 @@ def test_the_text_decoder_skips_the_wrapper_only_where_it_adds_nothing(tokenizer
 
 
 def test_an_abort_leaves_out_the_pending_token_and_leaves_the_sequence_to_the_step(tokenizer):
-    # close() ends requests while a step may still be using their sequences: their last token pending
+    # close() ends it while a step still uses its sequence
     seq = Sequence(PROMPT, SamplingParams(max_tokens=1000, ignore_eos=True, logprobs=0))
     handle = RequestHandle(SimpleNamespace(need_progress=lambda: None), tokenizer, threading.Lock(), seq, True)
     for token_id in (100, 101):

@@ -519,7 +519,7 @@ def test_worker_killed_mid_generate_fails_it_within_5s(tiny_model, monkeypatch):
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
     thread, outcome, killed = kill_worker_while_decoding(llm, PROMPTS, long)
     assert_freed_within_5s(thread, killed)
-    # named, whichever reached rank 0 first: the watch, or the step's collective that the worker left
+    # named, whether the watch or the step's broken collective came first
     assert re.search("worker rank 1 .* died", str(outcome.get("error"))), outcome
     with pytest.raises(RuntimeError, match="worker rank 1 .* died"):
         llm.submit(PROMPTS[0])

@@ -203,9 +203,7 @@ class LLMEngine:
             self._in_flight = None
             died = self._worker_death(error)
             # the requests first: a scheduler that raised may raise again when it aborts its sequences. Once
-            # close() has begun, it ends them all as aborted (README), whatever this step raised ("closed", when
-            # it completed after close() began); and it may put the inbox's requests in the table meanwhile: only
-            # the handles failed here leave it
+            # close() has begun, it aborts them all, whatever this step raised, and may add the inbox's to the table
             handles = self._loop.handles
             if not self._loop.stopping:
                 for request_id, handle in list(handles.items()):
@@ -224,10 +222,8 @@ class LLMEngine:
             raise
 
     def _worker_death(self, error: BaseException) -> WorkerDied | None:
-        """The error naming the worker whose death failed this tensor-parallel step, as the watch's does: a
-        collective's own error (gloo's "Connection closed by peer") can reach rank 0 before the dead process is
-        reaped, so a failed step waits up to WORKER_REAP_S for one; None when every worker lives (or rank 0 was
-        interrupted: a ^C is no worker's doing)."""
+        """The error naming the worker whose death failed this tensor-parallel step: a collective's own error can
+        reach rank 0 before the dead process is reaped, so wait up to WORKER_REAP_S for one (not after a ^C)."""
         if self.model_runner.out_of_step is None or not self.processes or not isinstance(error, Exception):
             return None
         deadline = perf_counter() + WORKER_REAP_S
