@@ -122,7 +122,7 @@ def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
     if fp8 and not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("no float8 here")
     m, k = rng.randint(2, 7) if seed % 2 else rng.randint(17, 24), rng.choice([48, 200])  # 16 and 32-row blocks
-    _, _, _, positions, rope, q_norm, k_norm, caches, slots, (k_scale, v_scale) = case(  # seed 5: chunked values
+    _, _, _, positions, rope, norms, caches, slots, scales = case(  # seed 5: chunked values
         seed, torch.float32, num_heads, num_kv_heads, head_dim, qk_norm, fp8, num_tokens=m,
         block_size=VALUE_CHUNK if seed == 5 else 16)
     x, w, b, norm_weight = random_layer(seeded(seed), m, (num_heads + 2 * num_kv_heads) * head_dim, k, bias, norm)
@@ -130,9 +130,9 @@ def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
     qkv = reference(x, w, b, norm_weight).float().to(DEVICE)
     q, kk, v = (t.view(m, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], -1))
     expected_caches = [c.clone() for c in caches]
-    expected_q = unfused(q, kk, v, positions, rope, q_norm, k_norm, *expected_caches, slots, k_scale, v_scale)
-    args = triton_skinny.RopeStoreArgs(positions, rope.cos_sin_cache, q_norm.weight if qk_norm else None,
-                                       k_norm.weight if qk_norm else None, 1e-6, *caches, slots, k_scale, v_scale)
+    expected_q = unfused(q, kk, v, positions, rope, norms, expected_caches, slots, *scales)
+    args = triton_skinny.RopeStoreArgs(positions, rope.cos_sin_cache, *[n and n.weight for n in norms], 1e-6, *caches,
+                                       slots, *scales)
     for block_k in (256, 32):
         out = fused(x, w, b, norm_weight, rope=args, config=(head_dim // 2, block_k, 4))
         torch.testing.assert_close(out[:, :q_size].reshape(m, num_heads, head_dim), expected_q, atol=1e-4, rtol=1e-4)
