@@ -231,6 +231,30 @@ def test_an_abort_leaves_out_the_pending_token_and_leaves_the_sequence_to_the_st
     assert out["logprobs"] == [{100: -0.5}, {101: -0.5}]
 
 
+def test_an_abort_reads_one_end_while_the_step_finishes_the_sequence(tokenizer, monkeypatch):
+    # close() copies the tokens, then the step fills the pending token with a stop token and finishes the sequence
+    seq = Sequence(PROMPT, SamplingParams(max_tokens=1000, stop_token_ids=[102]))
+    handle = RequestHandle(SimpleNamespace(need_progress=lambda: None), tokenizer, threading.Lock(), seq, True)
+    for token_id in (100, 101):
+        seq.append_token(token_id)
+        handle._on_token(token_id)
+    seq.append_pending(0)
+    copy = Sequence.completion_token_ids.fget
+
+    def copied_before_the_step_completes(self):
+        token_ids = copy(self)
+        if self.is_pending:
+            self.fill_pending(102)
+            self.stop_reason, self.finish_reason = 102, "stop"
+        return token_ids
+
+    monkeypatch.setattr(Sequence, "completion_token_ids", property(copied_before_the_step_completes))
+    handle._end_aborted()
+    out = handle.result(timeout=0)
+    assert (out["finish_reason"], out["stop_reason"], out["token_ids"]) == ("abort", None, [100, 101])
+    assert out["text"] == tokenizer.decode([100, 101])
+
+
 def test_a_handle_keeps_the_end_it_finished_with(tokenizer):
     handle = make_handle(tokenizer)
     sample(handle, 100)

@@ -210,20 +210,23 @@ class RequestHandle:
 
     def _make_output(self) -> dict:
         seq = self.seq
+        # read in the reverse of the order a step writes them (token, stop reason, finish reason): an abort by
+        # close() while a step ends the sequence then reads a finish that its tokens agree with
+        finish_reason, stop_reason = seq.finish_reason, seq.stop_reason
         token_ids = seq.completion_token_ids  # (a copy: a step in flight may still append to the sequence)
         if token_ids and token_ids[-1] == PENDING:  # sampled by a step in flight: not a token of the output
             token_ids.pop()
-        if isinstance(seq.stop_reason, str):
+        if isinstance(stop_reason, str):
             text = self._detokenizer.text  # cut before the stop string
         else:  # nor is the text of an EOS or stop token part of it
             with self._tokenizer_lock:
-                text = self._tokenizer.decode(token_ids[:-1] if seq.finish_reason == "stop" else token_ids,
+                text = self._tokenizer.decode(token_ids[:-1] if finish_reason == "stop" else token_ids,
                                               skip_special_tokens=seq.params.skip_special_tokens)
         return {
             "text": text,
             "token_ids": token_ids,
-            "finish_reason": seq.finish_reason,
-            "stop_reason": seq.stop_reason,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
             "num_cached_tokens": max(seq.num_cached_tokens, 0),
             "logprobs": None if seq.logprobs is None else seq.logprobs[:len(token_ids)],
         }
