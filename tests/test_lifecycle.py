@@ -642,19 +642,22 @@ def test_keyboard_interrupt_inside_generate_leaves_the_engine_usable(llm):
     assert_serves_on(llm, seconds=ABORTED_WITHIN)  # the requests were aborted
 
 
-def test_keyboard_interrupt_as_generate_submits_leaves_the_engine_usable(llm, monkeypatch):
-    # ^C once the requests are posted, as generate() wakes the loop thread
-    start = llm._loop.start
+@pytest.mark.parametrize("method", ["post", "start"])
+def test_keyboard_interrupt_as_generate_submits_leaves_the_engine_usable(llm, monkeypatch, method):
+    # ^C once the requests are posted: as they reach the inbox, or as generate() wakes the loop thread
+    real = getattr(llm._loop, method)
 
-    def interrupted_start():
-        start()
-        raise KeyboardInterrupt
+    def interrupted(*args):
+        real(*args)
+        if args[:1] in [(), ("add",)]:
+            raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm._loop, "start", interrupted_start)
+    monkeypatch.setattr(llm._loop, method, interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate([PROMPT, [8, 9]], LONG)
     monkeypatch.undo()
-    assert_serves_on(llm, seconds=ABORTED_WITHIN)  # the requests were aborted
+    assert len(within(30, greedy, llm)) == 8  # (which wakes the loop thread: "post" never did)
+    assert_idle_and_clean(llm, ABORTED_WITHIN)  # the requests were aborted
 
 
 # ---- user mistakes

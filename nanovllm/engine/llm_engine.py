@@ -140,14 +140,14 @@ class LLMEngine:
                    for ids, p in zip(token_ids, params)]
         if listener is not None:
             handles[0]._add_listener(listener)
-        self._loop.post("add", *handles)
-        if start:
-            try:
+        try:
+            self._loop.post("add", *handles)
+            if start:
                 self._loop.start()
-            except BaseException:  # (^C) the caller never gets the handles, so nobody would end these requests
-                for handle in handles:
-                    handle.abort()
-                raise
+        except BaseException:  # (^C) the caller never gets the handles, so nobody would end these requests
+            for handle in handles:
+                handle.abort()
+            raise
         return handles
 
     def _take_inbox(self) -> bool:
