@@ -282,7 +282,8 @@ def test_a_stream_that_close_ends_adds_up_to_its_output(tiny_model, monkeypatch,
     closing = []
 
     def close_now(seconds: float):
-        closing.append(in_background(llm.close)[0])
+        closing.append(threading.Thread(target=llm.close))  # (known before it runs: it may end the request at once)
+        closing[0].start()
         time.sleep(seconds)  # close() runs meanwhile
 
     if switch == "as-the-step-tells-the-finishing-token":
