@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from nanovllm.batch.executor import BatchExecutor
 from nanovllm.batch.intake import EOF, Reader, Stats, intake, record
 from nanovllm.batch.protocol import LineError, error_line
-from nanovllm.batch.results import ResultsFile
+from nanovllm.batch.results import ResultsFile, signals_held
 from nanovllm.config import Config
 
 NOT_ENGINE_ARGUMENTS = {"model", "hf_config", "eos_token_ids"}  # set by the engine, not by its caller
@@ -146,25 +146,28 @@ def serve_locally(llm, items, results: ResultsFile, stats: Stats, progress: Prog
                     except LineError as e:
                         record(results, stats, ("error", error_line(e.custom_id, item[1].line, e.code, e.message)))
             still_running = []
-            for pending in in_flight:
+            for index, pending in enumerate(in_flight):
                 if not pending.finished:
                     still_running.append(pending)
                     continue
                 busy = True
-                done = executor.finish(pending)
-                if done is None:
-                    stats.interrupted += 1
-                elif done[0]["error"] is not None:  # it failed on its own (`BatchExecutor.finish`)
-                    record(results, stats, ("error", done[0]))
-                else:
-                    results.write(done[0])
-                    stats.succeeded += 1
-                    stats.completion_tokens += done[1]
+                with signals_held():  # its line is written, counted and out of in_flight at once
+                    done = executor.finish(pending)
+                    if done is None:
+                        stats.interrupted += 1
+                    elif done[0]["error"] is not None:  # it failed on its own (`BatchExecutor.finish`)
+                        record(results, stats, ("error", done[0]))
+                    else:
+                        results.write(done[0])
+                        stats.succeeded += 1
+                        stats.completion_tokens += done[1]
+                    in_flight[index] = None
             in_flight = still_running
             progress.update(stats)
             if not busy:
                 time.sleep(0.02)  # handles have no callback to wait on; scanning them is cheap at this rate
     except BaseException:
+        in_flight = [pending for pending in in_flight if pending is not None]
         for pending in in_flight:
             pending.abort()
         stats.interrupted += len(in_flight)
@@ -229,6 +232,8 @@ def main(argv: list[str] | None = None, llm=None) -> int:
         previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return _run(args, engine_args, stdout_fd, llm)
+    except KeyboardInterrupt as e:  # before the run (reading back the results, starting the engine), or held
+        return 143 if isinstance(e, Terminated) else 130  # by its clean-up until the end
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -245,28 +250,22 @@ def _run(args, engine_args: dict, stdout_fd: int | None, given_llm) -> int:
         return 2
     max_num_seqs = engine_args.get("max_num_seqs", Config.default("max_num_seqs"))
     max_in_flight = args.max_in_flight or 2 * max_num_seqs
-    llm = given_llm
-    try:
-        if llm is not None:
-            pass
-        elif args.data_parallel_size == 1:
-            from nanovllm.llm import LLM
-            llm = LLM(args.model, **engine_args)
-        else:
-            from nanovllm import ray as nanovllm_ray
-            nanovllm_ray.check_engine_args(args.model, engine_args)
-            nanovllm_ray.init(args.ray_address)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:  # a bad engine argument, Ray missing
-        results.close()
-        print(f"run_batch: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        results.close()
-        return 143 if isinstance(e, Terminated) else 130
-    source = sys.stdin.buffer if args.input_file == "-" else open(args.input_file, "rb")
-    progress = Progress(count_lines(args.input_file), disable=args.no_progress)
+    llm, source, progress = given_llm, None, None
     stats, start, code = Stats(), perf_counter(), 0
     try:
+        try:
+            if llm is None and args.data_parallel_size == 1:
+                from nanovllm.llm import LLM
+                llm = LLM(args.model, **engine_args)
+            elif llm is None:
+                from nanovllm import ray as nanovllm_ray
+                nanovllm_ray.check_engine_args(args.model, engine_args)
+                nanovllm_ray.init(args.ray_address)
+        except (ValueError, TypeError, FileNotFoundError, ImportError) as e:  # a bad engine argument, Ray missing
+            print(f"run_batch: error: {e}", file=sys.stderr)
+            return 2
+        source = sys.stdin.buffer if args.input_file == "-" else open(args.input_file, "rb")
+        progress = Progress(count_lines(args.input_file), disable=args.no_progress)
         items = intake(source, results.done)
         if llm is not None:
             serve_locally(llm, items, results, stats, progress, max_in_flight, args.model, args.chat_template)
@@ -281,14 +280,17 @@ def _run(args, engine_args: dict, stdout_fd: int | None, given_llm) -> int:
         print(f"\nrun_batch: the run stopped: {type(e).__name__}: {e}", file=sys.stderr)
         code = 3
     finally:
-        progress.update(stats, force=True)
-        progress.close()
-        if llm is not None and llm is not given_llm:
-            llm.close()
-        results.close()
-        if source is not sys.stdin.buffer:
-            source.close()
-    print(summary(stats, perf_counter() - start, results.name), file=sys.stderr)
+        with signals_held():  # a signal now waits until all is closed and the summary printed (main: 130, 143)
+            if progress is not None:
+                progress.update(stats, force=True)
+                progress.close()
+            if llm is not None and llm is not given_llm:
+                llm.close()
+            results.close()
+            if source is not None and source is not sys.stdin.buffer:
+                source.close()
+            if source is not None:
+                print(summary(stats, perf_counter() - start, results.name), file=sys.stderr)
     return code or (3 if stats.interrupted else 1 if stats.any_failed else 0)
 
 

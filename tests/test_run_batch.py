@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import os
+import signal
 import time
 import typing
 
@@ -261,6 +262,65 @@ def test_a_request_rejected_part_way_through_submitting_leaves_nothing_running(l
     error = read_results(out)["split"]["error"]
     assert error["code"] == "invalid_value" and "min_tokens=100" in error["message"], error
     assert len(submitted) == 1 and submitted[0].result(timeout=60)["finish_reason"] == "abort"
+
+
+def test_a_ctrl_c_part_way_through_submitting_leaves_nothing_running(llm, tmp_path, monkeypatch):
+    submitted, submit = [], llm.submit
+
+    def interrupted_submit(ids, params):  # a ^C as the second choice goes in
+        if submitted:
+            raise KeyboardInterrupt
+        submitted.append(submit(ids, params))
+        return submitted[-1]
+
+    monkeypatch.setattr(llm, "submit", interrupted_submit)
+    inp, out = files(tmp_path, [request("two", prompt="p", n=2, ignore_eos=True)])
+    assert run(llm, inp, out) == 130
+    assert submitted[0].result(timeout=60)["finish_reason"] == "abort"
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_as_the_run_closes_waits_for_its_clean_up(llm, tmp_path, monkeypatch, capsys, sig, status):
+    close = ResultsFile.close
+
+    def signalled_close(self):  # (as its fsync runs)
+        os.kill(os.getpid(), sig)
+        close(self)
+
+    monkeypatch.setattr(ResultsFile, "close", signalled_close)
+    inp, out = files(tmp_path, [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(3)])
+    try:  # on this thread, the main one, where signals are handled
+        assert main(["-i", str(inp), "-o", str(out), "--model", llm.config.model, "--no-progress"], llm=llm) == status
+    except KeyboardInterrupt as e:
+        pytest.fail(f"{e!r} escaped main")
+    assert len(read_results(out)) == 3 and "3 lines: 3 served" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("first, counted", [(None, ["1 served", "1 stopped before"]), ("not json", ["1 failed"])])
+def test_a_signal_never_cuts_a_result_line(llm, tmp_path, monkeypatch, capsys, first, counted):
+    """(stdout's reader could not repair a torn one.) A SIGTERM as a pipe takes part of the first line, a result
+    or an error line: the rest follows, the line is counted, and the run stops."""
+    lines = [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(2)]
+    inp, out = files(tmp_path, [first] + lines if first else lines)
+    write, signalled = os.write, []
+
+    def part_then_signal(fd, data):
+        if signalled or b'"custom_id": ' not in data:
+            return write(fd, data)
+        signalled.append(fd)
+        written = write(fd, data[:len(data) // 2])
+        os.kill(os.getpid(), signal.SIGTERM)
+        return written
+
+    monkeypatch.setattr(os, "write", part_then_signal)
+    try:  # on this thread, the main one, where signals are handled
+        assert main(["-i", str(inp), "-o", str(out), "--model", llm.config.model, "--no-progress"], llm=llm) == 143
+    except KeyboardInterrupt as e:
+        pytest.fail(f"{e!r} escaped main")
+    monkeypatch.undo()
+    assert signalled and len(read_results(out)) == 1
+    err = capsys.readouterr().err
+    assert all(text in err for text in counted), err
 
 
 def test_exit_status_and_a_finished_file_is_left_alone(llm, tmp_path):

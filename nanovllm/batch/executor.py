@@ -50,9 +50,12 @@ class BatchExecutor:
                     if request.n > 1 and sampling.get("seed") is not None:
                         sampling["seed"] += i
                     handles.append(self.llm.submit(token_ids, SamplingParams(**sampling, max_tokens=max_tokens)))
-        except (TypeError, ValueError) as e:  # checks that need the model, e.g. a stop token id past the vocabulary
+        except BaseException as e:  # (a ^C too: nobody else holds these handles to end them)
             for handle in handles:
                 handle.abort()
+            if not isinstance(e, (TypeError, ValueError)):
+                raise
+            # checks that need the model, e.g. a stop token id past the vocabulary
             raise LineError("invalid_value", f"line {request.line}: {e}", request.custom_id) from None
         return Pending(request, handles, sum(map(len, prompts)))
 

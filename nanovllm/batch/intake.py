@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from nanovllm.batch.protocol import LineError, error_line, parse_request, read_line, request_key
+from nanovllm.batch.results import signals_held
 
 EOF = object()
 
@@ -72,9 +73,10 @@ def record(results, stats: Stats, item: tuple):
         stats.skipped += 1
         stats.skipped_failed += item[1]
     else:
-        results.write(item[1])
-        stats.failed += 1
-        stats.errors[item[1]["error"]["code"]] += 1
+        with signals_held():  # written and counted at once
+            results.write(item[1])
+            stats.failed += 1
+            stats.errors[item[1]["error"]["code"]] += 1
 
 
 class Reader:

@@ -6,16 +6,41 @@ requests), reads what an earlier run wrote and cuts off a torn last line (a writ
 request is then served again). Each `write` reaches the operating system at once; the file is fsynced about
 once a second and on close, so a crash of the machine loses at most the last second. A line in the middle
 that is not JSON means someone else wrote the file: that is an error, never repaired silently.
-Writing to stdout (`-`) resumes nothing: what went out cannot be read back.
+Writing to stdout (`-`) resumes nothing: what went out cannot be read back, so run_batch holds signals while it
+writes and counts a line (`signals_held`).
 """
 import fcntl
 import json
 import os
+import signal
+import threading
 import time
+from contextlib import contextmanager
 
 from nanovllm.batch.protocol import output_key
 
 FSYNC_INTERVAL = 1.0  # seconds
+
+
+@contextmanager
+def signals_held():
+    """SIGINT and SIGTERM wait until the block ends, then reach their own handlers (raised again): for what a
+    signal must not cut in two, a result line or a run's clean-up. Only the main thread runs signal handlers, so
+    elsewhere it holds nothing (nor where a handler was set outside Python). A write that blocks on a reader that
+    never reads holds them for good."""
+    signums = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or None in map(signal.getsignal, signums):
+        yield
+        return
+    held = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum)) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
 
 
 class ResultsFile:
@@ -72,7 +97,7 @@ class ResultsFile:
 
     def write_text(self, line: str):
         data = (line + "\n").encode()
-        while data:  # os.write may write part of it (a pipe, a signal)
+        while data:  # os.write may write part of it (a pipe, a signal: hold them, `signals_held`)
             data = data[os.write(self.fd, data):]
         if self.seekable and time.monotonic() - self._last_sync > FSYNC_INTERVAL:
             os.fsync(self.fd)
