@@ -36,16 +36,6 @@ def test_largest_gaps_name_the_record_that_ended_last_before_each():
     assert largest_gaps(records, 1) == [(300.0, "long", "copy")]
 
 
-def test_kernel_resources_reads_its_tiles():
-    """A tile beside the plan's parses, for every row count or one; a wrong one is an error naming it."""
-    import pytest
-    from kernel_resources import parse_tiles
-    assert parse_tiles(["down=32,512,4", "qkv@32=64,128,8"]) == {"down": (32, 512, 4), "qkv@32": (64, 128, 8)}
-    for bad in ("dwn=32,512,4", "down=32,512", "down@8=32,512,4", "down"):
-        with pytest.raises(ValueError, match=bad):
-            parse_tiles([bad])
-
-
 def test_latency_names_its_runs_and_splits_first_tokens_and_device_time():
     """latency.py's runs in order (a mixed one per budget, a repeated name numbered), a first token's three parts
     over the requests whose prompt step was seen, and the device's work and idle time by kind of step."""
@@ -75,23 +65,3 @@ def test_latency_names_its_runs_and_splits_first_tokens_and_device_time():
     assert device_parts([(Event(a), Event(b), prompt) for a, b, prompt in steps]) == (
         "with prompt tokens (2): work 2.00 / 2.80, idle before 0.50 / 0.50; after one (1): work 1.00 / 1.00, "
         "idle before 0.00 / 0.00; other (1): work 1.00 / 1.00, idle before 0.00 / 0.00")
-
-
-def test_kernel_resources_reads_registers_and_spills_of_an_sm90_compile():
-    """kernel_resources compiles the plan's tile and another for sm90 on this machine (a process without the
-    interpreter) and parses cuobjdump's and nvdisasm's output: register counts a thread can have, stack sizes,
-    some instructions."""
-    import os
-    import subprocess
-    import pytest
-    triton = pytest.importorskip("triton")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
-        pytest.skip("this Triton ships no cuobjdump")
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "benchmarks/kernel_resources.py", "--rows", "16", "--shapes", "down",
-                          "--tile", "down=32,512,8"], cwd=root, env=env, capture_output=True, text=True, check=True)
-    rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("| down |")]
-    assert [row[2] for row in rows] == ["(32, 512, 4)", "(32, 512, 8)"]  # the plan's at 16 rows, then the other
-    for _, _, _, regs, stack, instructions in rows:
-        assert 0 < int(regs) <= 255 and int(stack) >= 0 and int(instructions.rstrip(" |")) > 1000
