@@ -43,6 +43,15 @@ def run(llm, input_path, output_path, *flags) -> int:
     return within(120, main, argv, llm=llm)
 
 
+def run_here(llm, input_path, output_path) -> int:
+    """main on this thread, the main one, where signals are handled: none may escape it."""
+    try:
+        return main(["-i", str(input_path), "-o", str(output_path), "--model", llm.config.model, "--no-progress"],
+                    llm=llm)
+    except KeyboardInterrupt as e:
+        pytest.fail(f"{e!r} escaped main")
+
+
 def files(tmp_path, lines):  # (in.jsonl holding `lines`, out.jsonl)
     return write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
 
@@ -289,10 +298,7 @@ def test_a_signal_as_the_run_closes_waits_for_its_clean_up(llm, tmp_path, monkey
 
     monkeypatch.setattr(ResultsFile, "close", signalled_close)
     inp, out = files(tmp_path, [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(3)])
-    try:  # on this thread, the main one, where signals are handled
-        assert main(["-i", str(inp), "-o", str(out), "--model", llm.config.model, "--no-progress"], llm=llm) == status
-    except KeyboardInterrupt as e:
-        pytest.fail(f"{e!r} escaped main")
+    assert run_here(llm, inp, out) == status
     assert len(read_results(out)) == 3 and "3 lines: 3 served" in capsys.readouterr().err
 
 
@@ -313,10 +319,7 @@ def test_a_signal_never_cuts_a_result_line(llm, tmp_path, monkeypatch, capsys, f
         return written
 
     monkeypatch.setattr(os, "write", part_then_signal)
-    try:  # on this thread, the main one, where signals are handled
-        assert main(["-i", str(inp), "-o", str(out), "--model", llm.config.model, "--no-progress"], llm=llm) == 143
-    except KeyboardInterrupt as e:
-        pytest.fail(f"{e!r} escaped main")
+    assert run_here(llm, inp, out) == 143
     monkeypatch.undo()
     assert signalled and len(read_results(out)) == 1
     err = capsys.readouterr().err
