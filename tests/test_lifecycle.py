@@ -27,7 +27,8 @@ W, A, B = 89, 67, 68  # "w", "a", "b" in the tiny tokenizer
 
 
 def engine(tiny_model, **kwargs) -> LLM:
-    return LLM(tiny_model, kvcache_block_size=16, **kwargs)
+    """(A capped cache: on a GPU, engines open side by side, and one sized from memory leaves the next none.)"""
+    return LLM(tiny_model, kvcache_block_size=16, **{"num_kvcache_blocks": 4096, **kwargs})
 
 
 @pytest.fixture(scope="module")
