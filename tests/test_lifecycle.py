@@ -27,7 +27,7 @@ W, A, B = 89, 67, 68  # "w", "a", "b" in the tiny tokenizer
 
 
 def engine(tiny_model, **kwargs) -> LLM:
-    """(A capped cache: on a GPU, engines open side by side, and one sized from memory leaves the next none.)"""
+    """(A capped cache: on a GPU, one sized from memory leaves the next engine none.)"""
     return LLM(tiny_model, kvcache_block_size=16, **{"num_kvcache_blocks": 4096, **kwargs})
 
 

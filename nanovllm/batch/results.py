@@ -6,8 +6,7 @@ requests), reads what an earlier run wrote and cuts off a torn last line (a writ
 request is then served again). Each `write` reaches the operating system at once; the file is fsynced about
 once a second and on close, so a crash of the machine loses at most the last second. A line in the middle
 that is not JSON means someone else wrote the file: that is an error, never repaired silently.
-Writing to stdout (`-`) resumes nothing: what went out cannot be read back, so run_batch holds signals while it
-writes and counts a line (`signals_held`).
+Writing to stdout (`-`) resumes nothing: what went out cannot be read back (so signals wait: `signals_held`).
 """
 import fcntl
 import json
