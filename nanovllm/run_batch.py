@@ -206,6 +206,10 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
+def _interrupted(e: KeyboardInterrupt) -> int:
+    return 143 if isinstance(e, Terminated) else 130
+
+
 def main(argv: list[str] | None = None, llm=None) -> int:
     """The command line; returns the exit status. `llm`: serve on this engine (its own arguments apply, and it
     stays open) instead of building one, for programs and tests that hold an engine already."""
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None, llm=None) -> int:
     try:
         return _run(args, engine_args, stdout_fd, llm)
     except KeyboardInterrupt as e:  # before the run (reading back the results, starting the engine), or held
-        return 143 if isinstance(e, Terminated) else 130  # by its clean-up until the end
+        return _interrupted(e)  # to the clean-up's end
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -275,7 +279,7 @@ def _run(args, engine_args: dict, stdout_fd: int | None, given_llm) -> int:
                                             chat_template=args.chat_template, address=args.ray_address,
                                             start_timeout_s=args.ray_start_timeout)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (a scheduler's preemption): requests in flight are
-        code = 143 if isinstance(e, Terminated) else 130  # aborted, and the engine closes cleanly
+        code = _interrupted(e)  # aborted, and the engine closes cleanly
     except Exception as e:  # an engine failure: what finished is written, a second run does the rest
         print(f"\nrun_batch: the run stopped: {type(e).__name__}: {e}", file=sys.stderr)
         code = 3

@@ -96,7 +96,7 @@ class ResultsFile:
 
     def write_text(self, line: str):
         data = (line + "\n").encode()
-        while data:  # os.write may write part of it (a pipe, a signal: hold them, `signals_held`)
+        while data:  # os.write may write part of it (a pipe, a signal: `signals_held`)
             data = data[os.write(self.fd, data):]
         if self.seekable and time.monotonic() - self._last_sync > FSYNC_INTERVAL:
             os.fsync(self.fd)
