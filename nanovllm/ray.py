@@ -29,6 +29,7 @@ import warnings
 from nanovllm.batch.executor import BatchExecutor
 from nanovllm.batch.intake import record
 from nanovllm.batch.protocol import LineError, error_line, parse_request, read_line
+from nanovllm.batch.results import signals_held
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -226,9 +227,10 @@ def serve_openai_batch(items, results, stats, progress, model: str, engine_args:
     ray, pa = _import_ray()
     check_engine_args(model, engine_args)
     init(address)
-    refs, lines, texts = [], [], []
+    refs, lines, texts, pending = [], [], [], 0
     for item in items:
         if item[0] == "request":
+            pending += 1
             lines.append(item[1].line)
             texts.append(item[2])
             if len(lines) == batch_size:
@@ -241,20 +243,25 @@ def serve_openai_batch(items, results, stats, progress, model: str, engine_args:
         refs.append(ray.put(pa.table({"line": lines, "request": texts})))
     if not refs:
         return
-    served = _map_replicas(ray.data.from_arrow_refs(refs), _OpenAIBatchReplica, (model, engine_args, chat_template),
-                           engine_args, replicas, batch_size, max_restarts=4, max_task_retries=4,
-                           start_timeout_s=start_timeout_s)
-    for batch in served.iter_batches(batch_size=None, batch_format="pyarrow"):
-        for output, code, tokens in zip(*(batch[name].to_pylist() for name in ("output", "error_code",
-                                                                              "completion_tokens"))):
-            if output is None:
-                stats.interrupted += 1
-                continue
-            results.write_text(output)
-            if code is None:
-                stats.succeeded += 1
-                stats.completion_tokens += tokens
-            else:
-                stats.failed += 1
-                stats.errors[code] += 1
-        progress.update(stats)
+    try:
+        served = _map_replicas(ray.data.from_arrow_refs(refs), _OpenAIBatchReplica,
+                               (model, engine_args, chat_template), engine_args, replicas, batch_size,
+                               max_restarts=4, max_task_retries=4, start_timeout_s=start_timeout_s)
+        for batch in served.iter_batches(batch_size=None, batch_format="pyarrow"):
+            for output, code, tokens in zip(*(batch[name].to_pylist() for name in ("output", "error_code",
+                                                                                  "completion_tokens"))):
+                with signals_held():  # its line is written and counted at once
+                    pending -= 1
+                    if output is None:
+                        stats.interrupted += 1
+                        continue
+                    results.write_text(output)
+                    if code is None:
+                        stats.succeeded += 1
+                        stats.completion_tokens += tokens
+                    else:
+                        stats.failed += 1
+                        stats.errors[code] += 1
+            progress.update(stats)
+    finally:  # a signal or a failure: what has not come back is counted as stopped, as serve_locally counts it
+        stats.interrupted += pending

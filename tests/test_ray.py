@@ -89,6 +89,30 @@ def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(ray_cluster, ll
     assert (tmp_path / "dp.jsonl").read_bytes().startswith(b"".join(kept[:3]))
 
 
+def test_a_signal_never_cuts_a_replicas_result_line(ray_cluster, tiny_model, tmp_path, monkeypatch, capsys):
+    """As with one engine (test_run_batch): a SIGTERM as the first result's line is half written lets the line end
+    and be counted, and the run stops with the requests whose batches had not come back counted as stopped."""
+    inp = write_lines(tmp_path / "in.jsonl", [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(4)])
+    write, signalled = os.write, []
+
+    def part_then_signal(fd, data):
+        if signalled or b'"custom_id": ' not in data:
+            return write(fd, data)
+        signalled.append(fd)
+        written = write(fd, data[:len(data) // 2])
+        os.kill(os.getpid(), signal.SIGTERM)
+        return written
+
+    monkeypatch.setattr(os, "write", part_then_signal)
+    argv = ["-i", inp, "-o", str(tmp_path / "out.jsonl"), "--model", tiny_model, "--no-progress",
+            "--kvcache-block-size", "16", "--max-model-len", "128", "--data-parallel-size", "2", "--max-in-flight", "2"]
+    assert main(argv) == 143  # on this thread, the main one, where signals are handled
+    monkeypatch.undo()
+    assert signalled and len(read_results(tmp_path / "out.jsonl")) == 1
+    err = capsys.readouterr().err
+    assert "1 served" in err and "3 stopped before" in err, err
+
+
 def _busy_replicas() -> list[int]:
     """pids of replica processes running a batch now (Ray titles a process by the task it runs)."""
     pids = []
