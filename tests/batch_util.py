@@ -1,5 +1,7 @@
 """Helpers for the batch runner's tests: request lines, reading results, and running with a deadline."""
 import json
+import os
+import signal
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -34,3 +36,19 @@ def read_results(path) -> dict:
 
 def choices(result: dict) -> list[dict]:
     return result["response"]["body"]["choices"]
+
+
+def tear_first_line_then_signal(monkeypatch) -> list:
+    """os.write writes half the first result or error line, then SIGTERM comes; the list gets its fd."""
+    write, signalled = os.write, []
+
+    def part_then_signal(fd, data):
+        if signalled or b'"custom_id": ' not in data:
+            return write(fd, data)
+        signalled.append(fd)
+        written = write(fd, data[:len(data) // 2])
+        os.kill(os.getpid(), signal.SIGTERM)
+        return written
+
+    monkeypatch.setattr(os, "write", part_then_signal)
+    return signalled

@@ -11,7 +11,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.run_batch import main
-from tests.batch_util import CHAT, choices, read_results, request, write_lines
+from tests.batch_util import CHAT, choices, read_results, request, tear_first_line_then_signal, write_lines
 from tests.conftest import within
 
 ray = pytest.importorskip("ray")  # the test extra has it; the GPU machine does not
@@ -93,17 +93,7 @@ def test_a_signal_never_cuts_a_replicas_result_line(ray_cluster, tiny_model, tmp
     """As with one engine (test_run_batch): a SIGTERM as the first result's line is half written lets the line end
     and be counted, and the run stops with the requests whose batches had not come back counted as stopped."""
     inp = write_lines(tmp_path / "in.jsonl", [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(4)])
-    write, signalled = os.write, []
-
-    def part_then_signal(fd, data):
-        if signalled or b'"custom_id": ' not in data:
-            return write(fd, data)
-        signalled.append(fd)
-        written = write(fd, data[:len(data) // 2])
-        os.kill(os.getpid(), signal.SIGTERM)
-        return written
-
-    monkeypatch.setattr(os, "write", part_then_signal)
+    signalled = tear_first_line_then_signal(monkeypatch)
     argv = ["-i", inp, "-o", str(tmp_path / "out.jsonl"), "--model", tiny_model, "--no-progress",
             "--kvcache-block-size", "16", "--max-model-len", "128", "--data-parallel-size", "2", "--max-in-flight", "2"]
     assert main(argv) == 143  # on this thread, the main one, where signals are handled

@@ -14,7 +14,7 @@ from nanovllm.batch.protocol import MAX_N, MIN_LOGPROB, LineError, parse_request
 from nanovllm.batch.results import ResultsFile
 from nanovllm.config import Config
 from nanovllm.run_batch import build_parser, count_lines, main
-from tests.batch_util import CHAT, COMPLETIONS, choices, read_results, request, write_lines
+from tests.batch_util import CHAT, COMPLETIONS, choices, read_results, request, tear_first_line_then_signal, write_lines
 from tests.conftest import in_background, within
 
 MAX_MODEL_LEN = 128
@@ -308,17 +308,7 @@ def test_a_signal_never_cuts_a_result_line(llm, tmp_path, monkeypatch, capsys, f
     or an error line: the rest follows, the line is counted, and the run stops."""
     lines = [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(2)]
     inp, out = files(tmp_path, [first] + lines if first else lines)
-    write, signalled = os.write, []
-
-    def part_then_signal(fd, data):
-        if signalled or b'"custom_id": ' not in data:
-            return write(fd, data)
-        signalled.append(fd)
-        written = write(fd, data[:len(data) // 2])
-        os.kill(os.getpid(), signal.SIGTERM)
-        return written
-
-    monkeypatch.setattr(os, "write", part_then_signal)
+    signalled = tear_first_line_then_signal(monkeypatch)
     assert run_here(llm, inp, out) == 143
     monkeypatch.undo()
     assert signalled and len(read_results(out)) == 1
