@@ -479,6 +479,13 @@ def test_an_interrupt_while_close_waits_for_a_step_kills_the_workers_without_an_
     stepping.join(30)
 
 
+def test_a_terminals_ctrl_c_leaves_the_worker_to_rank_0(tiny_model):
+    with TP2(tiny_model) as llm:  # a terminal signals the whole process group: the worker too
+        os.kill(llm.processes[0].pid, signal.SIGINT)
+        time.sleep(1)
+        assert llm.processes[0].is_alive() and len(within(30, generate, llm)) == len(PROMPTS)
+
+
 def test_an_error_on_rank_0_between_steps_leaves_a_tp_engine_usable(tiny_model):
     # an error in the bookkeeping after a step's collectives leaves the worker in step
     with TP2(tiny_model) as llm:

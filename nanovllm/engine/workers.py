@@ -14,6 +14,7 @@
   stuck, a worker is gone or rank 0 left a step, and reaps them (`stop_workers`).
 """
 import os
+import signal
 import socket
 import threading
 import time
@@ -82,6 +83,7 @@ def run_worker(errors, *args):
     """A worker process: rank 1 and up's `ModelRunner`, which serves until rank 0 tells it to exit. An exception
     that ends it is told to rank 0 first (`worker_died` names it), since the process may then end in an abort
     that hides it (gloo's threads at exit: SIGABRT)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches every process: rank 0 answers it
     try:
         ModelRunner(*args)
     except BaseException as error:
