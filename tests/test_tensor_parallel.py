@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU (gloo): TP=2 equals TP=1 and HF; engines, workers and shared memory are cleaned up."""
 import functools
+import gc
 import multiprocessing as mp
 import os
 import re
@@ -10,10 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import nanovllm
 import nanovllm.engine.tp_channel as tp_channel
 from nanovllm import SamplingParams
+from nanovllm.engine import llm_engine, workers
 from nanovllm.engine.workers import worker_died, worker_error
 from nanovllm.layers import embed_head, linear
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
@@ -388,7 +391,6 @@ def test_second_tp_engine_in_one_process_is_refused(tiny_model):
 
 def test_a_new_tp_engine_waits_for_an_earlier_ones_collectives_abort(tiny_model, monkeypatch):
     # NCCL's abort may take 30 s and tear down engines started meanwhile
-    from nanovllm.engine import workers
     monkeypatch.setattr(workers, "ABORT_WAIT", 1.0)
     with workers.COLLECTIVES_ABORT:  # an abort that does not end
         started = time.monotonic()
@@ -484,6 +486,34 @@ def test_a_terminals_ctrl_c_leaves_the_worker_to_rank_0(tiny_model):
         os.kill(llm.processes[0].pid, signal.SIGINT)
         time.sleep(1)
         assert llm.processes[0].is_alive() and len(within(30, generate, llm)) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("when, owner, name, after", [
+    ("close", dist, "barrier", True),  # (a C call raises as it returns)
+    ("close", tp_channel.Channel, "close", False),
+    ("close", workers.WorkerWatch, "stop", False),
+    ("build", tp_channel.Channel, "__init__", True),  # rank 0's buffer exists
+    ("build", workers.WorkerWatch, "stop", False),  # the start-up watch's, the engine up
+    ("build", llm_engine, "Scheduler", False),  # the workers up, close() not yet set
+], ids=["close-barrier", "close-channel", "close-watch", "build-channel", "build-watch", "build-engine"])
+def test_a_ctrl_c_as_an_engine_starts_or_closes_leaves_nothing_behind(tiny_model, monkeypatch, when, owner, name,
+                                                                     after):
+    llm = TP2(tiny_model) if when == "close" else None
+    real = getattr(owner, name)
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.setattr(owner, name, real)
+        if after:
+            real(*args, **kwargs)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(owner, name, interrupted)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        within(60, llm.close) if llm else within(60, TP2, tiny_model)
+    assert time.monotonic() - start < 5 and getattr(owner, name) is real
+    time.sleep(0.5)
+    assert mp.active_children() == shm_segments() == [] and not dist.is_initialized() and not gc.get_freeze_count()
+    assert_a_new_engine_serves(tiny_model)
 
 
 def test_an_error_on_rank_0_between_steps_leaves_a_tp_engine_usable(tiny_model):

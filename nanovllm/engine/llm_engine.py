@@ -21,7 +21,7 @@ from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_output import StepOutput
 from nanovllm.engine.workers import (WorkerDied, WorkerWatch, check_alive, fail_and_abort, first_dead, shutdown,
-                                     start_workers, worker_died)
+                                     start_workers, teardown, worker_died)
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -36,18 +36,22 @@ class LLMEngine:
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads
         config.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.config = config
-        self.processes, self.model_runner = start_workers(config)
-        self.scheduler = Scheduler(config, on_release=self.model_runner.penalty_slots.release)
         self._in_flight: Step | None = None  # launched, its tokens not yet accounted for
         self._last_completed = 0.0
         self._throughput: dict[str, str] = {}
-        self._loop = EngineLoop(self)
-        self._watch = WorkerWatch(self.processes, partial(fail_and_abort, self._loop, self.model_runner,
-                                                          self.processes))
-        # runs once: on close(), when the engine is garbage-collected, or at interpreter exit; it holds the
-        # runner and the requests but not the engine, so a dropped engine frees its memory and workers
-        self._finalizer = weakref.finalize(self, shutdown, self._loop, self._watch, self.model_runner,
-                                           self.processes)
+        self.processes, self.model_runner = start_workers(config)
+        try:
+            self.scheduler = Scheduler(config, on_release=self.model_runner.penalty_slots.release)
+            self._loop = EngineLoop(self)
+            self._watch = WorkerWatch(self.processes, partial(fail_and_abort, self._loop, self.model_runner,
+                                                              self.processes))
+            # runs once: on close(), when the engine is garbage-collected, or at interpreter exit; it holds the
+            # runner and the requests but not the engine, so a dropped engine frees its memory and workers
+            self._finalizer = weakref.finalize(self, shutdown, self._loop, self._watch, self.model_runner,
+                                               self.processes)
+        except BaseException:  # (a ^C too) nothing else would stop the workers
+            teardown(WorkerWatch([], None), self.model_runner, self.processes, steps_stopped=False)
+            raise
         self._closing = threading.Lock()  # a close() beside one in progress returns when that one has ended
 
     def close(self):

@@ -28,6 +28,14 @@ def channel_semaphores(ctx) -> tuple[Semaphore, Semaphore]:
     return ctx.Semaphore(0), ctx.Semaphore(1)
 
 
+def unlink_channel(name: str):
+    """Remove rank 0's buffer, if it exists, of an engine that did not start."""
+    try:
+        SharedMemory(name=name).unlink()
+    except FileNotFoundError:
+        pass
+
+
 class Channel:
 
     def __init__(self, name: str, rank: int, semaphores: list[tuple[Semaphore, Semaphore]]):

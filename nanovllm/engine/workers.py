@@ -13,6 +13,7 @@
 - shut down: `shutdown` aborts the requests in flight, then asks the workers to exit, or kills them when a step is
   stuck, a worker is gone or rank 0 left a step, and reaps them (`stop_workers`).
 """
+import gc
 import os
 import signal
 import socket
@@ -28,7 +29,7 @@ import torch.multiprocessing as mp
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ARRIVED, ModelRunner, abort_process_group
 from nanovllm.engine.request import EngineLoop
-from nanovllm.engine.tp_channel import channel_semaphores
+from nanovllm.engine.tp_channel import channel_semaphores, unlink_channel
 
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for a running step before it tears the workers down
 # held while a dead worker's engine fails its calls and aborts its collectives: NCCL's abort may wait long for the
@@ -66,16 +67,20 @@ def start_workers(config: Config) -> tuple[list, ModelRunner]:
             wait_for_workers(store, processes)
         model_runner = ModelRunner(config, 0, semaphores, dist_port, shm_name, store)
         check_alive(processes, "its own error output says why")  # (a freed collective returns garbage)
-    except BaseException as error:
+        start_watch.stop()
+    except BaseException as error:  # (a ^C too)
         dead = first_dead(processes)
+        start_watch.stop()
+        for process in processes:  # a worker that started waits for rank 0's calls for good
+            process.kill()
         stop_workers(processes)
+        unlink_channel(shm_name)
+        gc.unfreeze()  # (as `ModelRunner.exit`: rank 0's runner may have frozen itself)
         if dist.is_initialized() and dist.get_backend() == "gloo":  # (NCCL's may hang: the watch aborted it)
             dist.destroy_process_group()
         if dead is not None and not isinstance(error, WorkerDied):
             raise worker_died(*dead, "its own error output says why") from error
         raise
-    finally:
-        start_watch.stop()
     return processes, model_runner
 
 
@@ -124,7 +129,10 @@ class WorkerWatch:
             self.on_death(sentinels[ready[0]])
 
     def stop(self):
-        """Before the workers exit on purpose. (A watch that fired may be stuck in the abort: not waited for.)"""
+        """Before the workers exit on purpose. (A watch that fired may be stuck in the abort: not waited for.)
+        Again after a ^C in it: its pipe closes once."""
+        if self._stop_writer.closed:
+            return
         if self.thread is not None:
             self._stop_writer.send(None)
             self.thread.join(1.0)
@@ -196,8 +204,8 @@ def shutdown(loop: EngineLoop, watch: WorkerWatch, model_runner: ModelRunner, pr
 
 
 def teardown(watch: WorkerWatch, model_runner: ModelRunner, processes: list, steps_stopped: bool):
-    watch.stop()
     try:
+        watch.stop()
         if steps_stopped and model_runner.out_of_step is None and all(process.is_alive() for process in processes):
             try:
                 model_runner.call("exit")
@@ -206,11 +214,19 @@ def teardown(watch: WorkerWatch, model_runner: ModelRunner, processes: list, ste
                 pass
         # a step still runs, a worker is gone, or rank 0 left a step that the workers still run: no collective can
         # complete; tear down this rank alone
-        for process in processes:
-            process.kill()  # which also ends a collective that a stuck step waits in
-        model_runner.exit(workers_alive=False)
+        exit_alone(watch, model_runner, processes)
+    except BaseException:  # a ^C in the exit's barrier, the channel's close or the watch's stop: still all of it
+        exit_alone(watch, model_runner, processes)
+        raise
     finally:
         stop_workers(processes)
+
+
+def exit_alone(watch: WorkerWatch, model_runner: ModelRunner, processes: list):
+    watch.stop()
+    for process in processes:
+        process.kill()  # which also ends a collective that a stuck step waits in
+    model_runner.exit(workers_alive=False)
 
 
 def stop_workers(processes: list, timeout: float = 10.0):
