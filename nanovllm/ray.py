@@ -1,11 +1,5 @@
-"""Data parallelism on Ray: one nano-vllm engine replica per Ray actor, fed by Ray Data's `map_batches`.
-
-    import ray
-    from nanovllm import SamplingParams
-    from nanovllm.ray import generate
-    ds = ray.data.from_items([{"prompt": "Hello"}, {"messages": [{"role": "user", "content": "Hi"}]}])
-    out = generate(ds, "/path/to/model", SamplingParams(max_tokens=64), concurrency=2, max_model_len=4096)
-    for row in out.iter_rows(): print(row["generated_text"], row["finish_reason"])
+"""Data parallelism on Ray: one nano-vllm engine replica per Ray actor, fed by Ray Data's `map_batches` (README's
+"Batch files" shows `generate` in use).
 
 Contract:
 - `generate` returns a lazy Dataset: each input row (a `prompt` column, str or token ids, or a `messages`

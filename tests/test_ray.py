@@ -90,8 +90,7 @@ def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(ray_cluster, ll
 
 
 def test_a_signal_never_cuts_a_replicas_result_line(ray_cluster, tiny_model, tmp_path, monkeypatch, capsys):
-    """As with one engine (test_run_batch): a SIGTERM as the first result's line is half written lets the line end
-    and be counted, and the run stops with the requests whose batches had not come back counted as stopped."""
+    """As with one engine (test_run_batch), and the requests not back yet are counted as stopped."""
     inp = write_lines(tmp_path / "in.jsonl", [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(4)])
     signalled = tear_first_line_then_signal(monkeypatch)
     argv = ["-i", inp, "-o", str(tmp_path / "out.jsonl"), "--model", tiny_model, "--no-progress",

@@ -492,9 +492,9 @@ def test_a_terminals_ctrl_c_leaves_the_worker_to_rank_0(tiny_model):
     ("close", dist, "barrier", True),  # (a C call raises as it returns)
     ("close", tp_channel.Channel, "close", False),
     ("close", workers.WorkerWatch, "stop", False),
-    ("build", tp_channel.Channel, "__init__", True),  # rank 0's buffer exists
-    ("build", workers.WorkerWatch, "stop", False),  # the start-up watch's, the engine up
-    ("build", llm_engine, "Scheduler", False),  # the workers up, close() not yet set
+    ("build", tp_channel.Channel, "__init__", True),  # rank 0's buffer made
+    ("build", workers.WorkerWatch, "stop", False),  # the start-up watch's
+    ("build", llm_engine, "Scheduler", False),  # close() not set up yet
 ], ids=["close-barrier", "close-channel", "close-watch", "build-channel", "build-watch", "build-engine"])
 def test_a_ctrl_c_as_an_engine_starts_or_closes_leaves_nothing_behind(tiny_model, monkeypatch, when, owner, name,
                                                                      after):

@@ -129,8 +129,8 @@ class WorkerWatch:
             self.on_death(sentinels[ready[0]])
 
     def stop(self):
-        """Before the workers exit on purpose. (A watch that fired may be stuck in the abort: not waited for.)
-        Again after a ^C in it: its pipe closes once."""
+        """Before the workers exit on purpose (again after a ^C in it). (A watch that fired may be stuck in the
+        abort: not waited for.)"""
         if self._stop_writer.closed:
             return
         if self.thread is not None:
