@@ -244,11 +244,10 @@ def serve_openai_batch(items, results, stats, progress, model: str, engine_args:
         for batch in served.iter_batches(batch_size=None, batch_format="pyarrow"):
             for output, code, tokens in zip(*(batch[name].to_pylist() for name in ("output", "error_code",
                                                                                   "completion_tokens"))):
+                if output is None:  # (counted as stopped below)
+                    continue
                 with signals_held():  # its line is written and counted at once
                     pending -= 1
-                    if output is None:
-                        stats.interrupted += 1
-                        continue
                     results.write_text(output)
                     if code is None:
                         stats.succeeded += 1
