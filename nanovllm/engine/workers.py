@@ -136,8 +136,8 @@ class WorkerWatch:
         if self.thread is not None:
             self._stop_writer.send(None)
             self.thread.join(1.0)
+        self._stop_writer.close()  # first: a ^C before the reader's close leaves a stop that returns at once
         self._stop_reader.close()
-        self._stop_writer.close()
 
 
 def fail_and_abort(loop: EngineLoop, model_runner: ModelRunner, processes: list, rank: int):
