@@ -3,6 +3,10 @@ import json
 import os
 import signal
 
+import pytest
+
+from nanovllm.run_batch import main
+
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
@@ -52,3 +56,11 @@ def tear_first_line_then_signal(monkeypatch) -> list:
 
     monkeypatch.setattr(os, "write", part_then_signal)
     return signalled
+
+
+def main_here(argv: list[str], llm=None) -> int:
+    """run_batch's main on this thread, the main one, where signals are handled: none may escape it."""
+    try:
+        return main(argv, llm=llm)
+    except KeyboardInterrupt as e:
+        pytest.fail(f"{e!r} escaped main")

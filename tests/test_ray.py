@@ -11,7 +11,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.run_batch import main
-from tests.batch_util import CHAT, choices, read_results, request, tear_first_line_then_signal, write_lines
+from tests.batch_util import CHAT, choices, main_here, read_results, request, tear_first_line_then_signal, write_lines
 from tests.conftest import within
 
 ray = pytest.importorskip("ray")  # the test extra has it; the GPU machine does not
@@ -95,7 +95,7 @@ def test_a_signal_never_cuts_a_replicas_result_line(ray_cluster, tiny_model, tmp
     signalled = tear_first_line_then_signal(monkeypatch)
     argv = ["-i", inp, "-o", str(tmp_path / "out.jsonl"), "--model", tiny_model, "--no-progress",
             "--kvcache-block-size", "16", "--max-model-len", "128", "--data-parallel-size", "2", "--max-in-flight", "2"]
-    assert main(argv) == 143  # on this thread, the main one, where signals are handled
+    assert main_here(argv) == 143
     monkeypatch.undo()
     assert signalled and len(read_results(tmp_path / "out.jsonl")) == 1
     err = capsys.readouterr().err

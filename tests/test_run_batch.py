@@ -14,7 +14,8 @@ from nanovllm.batch.protocol import MAX_N, MIN_LOGPROB, LineError, parse_request
 from nanovllm.batch.results import ResultsFile
 from nanovllm.config import Config
 from nanovllm.run_batch import build_parser, count_lines, main
-from tests.batch_util import CHAT, COMPLETIONS, choices, read_results, request, tear_first_line_then_signal, write_lines
+from tests.batch_util import (CHAT, COMPLETIONS, choices, main_here, read_results, request, tear_first_line_then_signal,
+                              write_lines)
 from tests.conftest import in_background, within
 
 MAX_MODEL_LEN = 128
@@ -44,12 +45,8 @@ def run(llm, input_path, output_path, *flags) -> int:
 
 
 def run_here(llm, input_path, output_path) -> int:
-    """main on this thread, the main one, where signals are handled: none may escape it."""
-    try:
-        return main(["-i", str(input_path), "-o", str(output_path), "--model", llm.config.model, "--no-progress"],
-                    llm=llm)
-    except KeyboardInterrupt as e:
-        pytest.fail(f"{e!r} escaped main")
+    return main_here(["-i", str(input_path), "-o", str(output_path), "--model", llm.config.model, "--no-progress"],
+                     llm=llm)
 
 
 def files(tmp_path, lines):  # (in.jsonl holding `lines`, out.jsonl)
