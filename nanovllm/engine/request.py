@@ -2,14 +2,12 @@
 
 A handle is filled by whoever steps the engine (its loop thread, or a caller of `step()`) and read by any
 thread (iteration, `result()`) or by asyncio (`LLM.stream`). Nobody waits on a reader: each handle keeps its
-own increments, so a slow consumer of one stream does not stall the others. The text of an increment is made
-when it is read, by its reader, so that the loop thread detokenizes only for asyncio listeners and stop
-strings.
+own increments, so a slow consumer of one stream does not stall the others.
 
-Lifecycle guarantees: every handle finishes exactly once, with an output or an error. When a step raises, the
-requests in flight fail with its error and the engine serves the next ones; when the loop thread itself stops
-on an unexpected error, every pending request fails and later calls raise, naming that error; `close()` ends
-the requests in flight with `finish_reason="abort"`.
+Lifecycle guarantees: every handle finishes exactly once, with an output or an error. A step that raises fails
+the requests in flight, and the engine serves the next ones; a loop thread that stops on an unexpected error fails
+every pending request, and later calls raise, naming it; `close()` ends the requests in flight with
+`finish_reason="abort"`.
 """
 import asyncio
 import threading
@@ -29,10 +27,9 @@ class RequestHandle:
     the increments from the first, so a handle can be iterated again, or by two threads. The handle also finds
     stop strings, which need the text.
 
-    Increments are made when someone reads them, so a handle read only through `result()` costs no
-    detokenization per token: the engine notes each sampled token, and a reader (or, for an asyncio listener,
-    which cannot ask, the engine at once) turns the tokens noted since the last increment into one increment.
-    A reader that keeps up gets one increment per token; one that comes late gets the tokens it missed in one.
+    Increments are made by their reader (for an asyncio listener, which cannot ask, by whoever steps), so the loop
+    thread detokenizes only for listeners and stop strings: a reader that keeps up gets one increment per token,
+    one that comes late gets the tokens it missed in one.
     """
 
     def __init__(self, loop: "EngineLoop", tokenizer, tokenizer_lock: threading.Lock, seq: Sequence,
@@ -198,9 +195,9 @@ class RequestHandle:
                 self._finish(self._make_output())
 
     def _end_aborted(self):
-        """Finish as aborted with the tokens it has (a token still on the device is not one of them); if that
-        fails (detokenizing), its waiters get the error instead. It reads the sequence and changes only its
-        finish reason: close() calls it while a step may still be using the sequence."""
+        """Finish as aborted with the tokens it has (not one still on the device), or with the error if that
+        fails (detokenizing). It changes only the sequence's finish reason: close() calls it while a step may
+        still use the sequence."""
         seq = self.seq
         seq.finish_reason = seq.finish_reason or "abort"
         try:
@@ -255,8 +252,8 @@ class EngineLoop:
         self.error: RuntimeError | None = None  # why the engine can take no more work, when not closed
 
     def post(self, kind: str, *handles: RequestHandle):
-        """Queue new requests ("add") or aborts for whoever steps next; a closed or dead engine takes no
-        new request (checked under the lock that `finish_all` empties the inbox under, so none is lost)."""
+        """Queue new requests ("add") or aborts for whoever steps next; a closed or dead engine takes no new
+        request (checked under `cond`, which `finish_all` empties the inbox under: none is lost)."""
         with self.cond:
             if kind == "add":
                 self.check()
@@ -266,8 +263,8 @@ class EngineLoop:
             self.cond.notify()
 
     def take_inbox(self) -> list[tuple[str, RequestHandle]]:
-        """Empty the inbox; its new requests join the table here, under the lock that `finish_all` takes the
-        inbox under, so that close() never misses a request on its way from the one to the other."""
+        """Empty the inbox; its new requests join the table here, under `cond` as in `finish_all`, so close() never
+        misses a request between the two."""
         with self.cond:
             inbox, self.inbox = self.inbox, []
             for kind, handle in inbox:
@@ -282,8 +279,7 @@ class EngineLoop:
             self.inbox[:0] = items
 
     def need_progress(self):
-        """A reader waits for a request: make sure someone steps (a request from `add_request` is stepped by
-        its caller's `step()`, until a reader waits for it)."""
+        """A reader waits: make sure someone steps (an `add_request` request is stepped by its caller until then)."""
         if self.thread is None and self.engine_ref() is not None and not self.stopping:
             self.start()
 
@@ -322,8 +318,7 @@ class EngineLoop:
 
     def fail(self, error: RuntimeError):
         """The engine cannot go on (its loop thread died, or a worker did): every request not yet finished
-        fails with `error`, and so does every later call. Safe from any thread, while a step runs too (each
-        handle finishes once)."""
+        fails with `error`, and so does every later call. Safe from any thread, during a step too."""
         with self.cond:
             self.error = self.error or error
             self.cond.notify()
@@ -340,9 +335,9 @@ class EngineLoop:
             self.handles.pop(request_id, None)
 
     def stop(self, timeout: float) -> bool:
-        """Abort every request at once, then let the step in progress finish, the thread's or a caller's own
-        `step()` in another thread (waiting at most `timeout` s in all); True when no step is running any more,
-        and none will start (a `step()` that gets the lock after this raises "the engine is closed")."""
+        """Abort every request at once, then wait at most `timeout` s for the step in progress (the thread's, or a
+        caller's `step()` in another thread); True when none runs any more, nor will (a `step()` that gets the lock
+        after this raises "the engine is closed")."""
         with self.cond:
             self.stopping = True
             self.cond.notify()
@@ -358,3 +353,4 @@ class EngineLoop:
             return False
         self.step_lock.release()
         return True
+

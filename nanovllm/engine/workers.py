@@ -1,15 +1,14 @@
 """The tensor-parallel workers' lifecycle, as rank 0 sees it: ranks 1 and up are spawned processes.
 
-- start: `start_workers` spawns them, meets them at rank 0's rendezvous (a TCPStore that counts them in, so a
-  worker that dies on its way there is an error, not a 30-minute wait in init_process_group) and starts rank 0's
+- start: `start_workers` spawns them, meets them at rank 0's rendezvous (a TCPStore that counts them in: a worker
+  that dies on its way is an error, not a 30-minute wait in init_process_group), then starts rank 0's
   `ModelRunner`; a worker that dies meanwhile is an error naming it, and leaves no worker running.
-- watch for death: a `WorkerWatch` thread waits on the workers' sentinels. A dead worker may leave rank 0 in an
-  NCCL collective for good, so the watch acts at once: while the engine starts it aborts the collectives; once it
-  runs, `fail_and_abort` fails every request in flight and every later call (`WorkerDied`, naming the worker)
-  first, then aborts the collectives (a freed collective returns garbage). `COLLECTIVES_ABORT` is held meanwhile,
-  and a new tensor-parallel engine in this process waits for it (`check_no_process_group`).
-- rank 0 fails in a step: the workers ran the same step and may wait for good in a collective that rank 0 never
-  reached, so the engine fails every later call (`LLMEngine._step`, after `ModelRunner.out_of_step`).
+- watch for death: a dead worker may leave rank 0 in an NCCL collective for good, so a `WorkerWatch` thread acts
+  at once: while the engine starts it aborts the collectives; once it runs, `fail_and_abort` first fails every
+  request and later call (`WorkerDied`, naming the worker: a freed collective returns garbage), then aborts them.
+  A new tensor-parallel engine in this process waits for that abort (`COLLECTIVES_ABORT`).
+- rank 0 fails in a step: the workers may wait for good in a collective it never reached, so the engine fails
+  every later call (`LLMEngine._step`, after `ModelRunner.out_of_step`).
 - shut down: `shutdown` aborts the requests in flight, then asks the workers to exit, or kills them when a step is
   stuck, a worker is gone or rank 0 left a step, and reaps them (`stop_workers`).
 """
@@ -32,22 +31,20 @@ from nanovllm.engine.request import EngineLoop
 from nanovllm.engine.tp_channel import channel_semaphores, unlink_channel
 
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for a running step before it tears the workers down
-# held while a dead worker's engine fails its calls and aborts its collectives: NCCL's abort may wait long for the
-# dead peer (on two H200s: over 30 s), and a new engine's process group must not start before the old one is gone
+# held while a dead worker's engine fails its calls and aborts its collectives (NCCL's may wait over 30 s for the
+# dead peer on two H200s): a new engine's process group must not start before the old one is gone
 COLLECTIVES_ABORT = threading.Lock()
 ABORT_WAIT = 60.0  # seconds a new tensor-parallel engine waits for that abort before it gives up
 
 
 def start_workers(config: Config) -> tuple[list, ModelRunner]:
-    """Spawn the tensor-parallel workers (ranks 1 and up), meet them at rank 0's rendezvous, then start rank 0's
-    `ModelRunner` in this process; returns (the worker processes, rank 0's runner). A worker that dies on the way
-    is an error that names it, and leaves no worker running."""
+    """Spawn the workers, meet them at rank 0's rendezvous, then start rank 0's `ModelRunner` in this process;
+    returns (the worker processes, rank 0's runner)."""
     processes, semaphores = [], []
     if config.tensor_parallel_size > 1:
         check_no_process_group()
     dist_port = config.dist_port or (free_port() if config.tensor_parallel_size > 1 else 0)
-    # rank 0's rendezvous, up before the workers: it counts them in, so a worker that dies on its way there
-    # is seen (init_process_group alone would wait 30 minutes for it)
+    # rank 0's rendezvous, up before the workers, counts them in (see the module's docstring)
     store = (dist.TCPStore("127.0.0.1", dist_port, config.tensor_parallel_size, is_master=True,
                            wait_for_workers=False) if config.tensor_parallel_size > 1 else None)
     shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -107,10 +104,8 @@ def worker_error(process) -> str | None:
 
 
 class WorkerWatch:
-    """Rank 0's watch over the tensor-parallel workers. When one dies, a step may wait forever in a collective
-    (NCCL's kernels spin on the GPU for a peer that is gone, and the host waits on them): this thread calls
-    `on_death(rank)` at once, which fails every request and later call, naming the worker, and aborts the
-    collectives (`fail_and_abort`), or while the engine starts, aborts them only."""
+    """Rank 0's watch over the workers: a thread that calls `on_death(rank)` as soon as one dies (NCCL's kernels
+    would spin on the GPU for the dead peer, and the host wait on them, forever)."""
 
     def __init__(self, processes: list, on_death):
         self.processes, self.on_death = processes, on_death
@@ -174,8 +169,8 @@ def check_alive(processes: list, advice: str = "close this engine and start a ne
 
 
 def check_no_process_group():
-    """Before a tensor-parallel engine starts: this process must hold no process group (one per process), and an
-    earlier engine's abort after a dead worker must have finished (waited for, up to ABORT_WAIT s)."""
+    """Before a tensor-parallel engine starts: no process group in this process (one per process), nor an earlier
+    engine's abort after a dead worker (waited for up to ABORT_WAIT s)."""
     if not COLLECTIVES_ABORT.acquire(timeout=ABORT_WAIT):
         raise RuntimeError(f"an earlier engine in this process lost a GPU worker and NCCL has not torn its process "
                            f"group down after {ABORT_WAIT:.0f} s; start a new process for a tensor-parallel engine")
