@@ -3,6 +3,8 @@ import asyncio
 import gc
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -17,7 +19,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.sequence import PENDING
 from nanovllm.engine.step_output import StepOutput
-from tests.conftest import greedy as greedy_params, in_background, within
+from tests.conftest import ROOT, greedy as greedy_params, in_background, within
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)  # runs for over 10 s on the tiny model
@@ -434,6 +436,47 @@ def test_stop_on_the_loop_thread_itself_returns_instead_of_failing():
     loop.thread.join(10)
     assert not loop.thread.is_alive()
     assert outcome == {"stopped": True} and loop.error is None
+
+
+AT_EXIT = """
+import sys, threading, time
+import torch
+from nanovllm import LLM
+from nanovllm.engine.model_runner import ModelRunner
+
+llm, run_once, runner_exit, tearing_down = LLM(sys.argv[1]), LLM._run_once, ModelRunner.exit, threading.Event()
+llm.generate([[5, 6, 7]])  # its loop thread runs
+
+def slow_exit(runner, *args):  # a second in torch's C++ code, the GIL released
+    tearing_down.set()
+    x, start = torch.randn(500, 500), time.monotonic()
+    while time.monotonic() - start < 1:
+        x @ x
+    runner_exit(runner, *args)
+    print("torn down on", threading.current_thread().name, flush=True)
+
+def dropped(engine):  # the loop thread's reference is the last: it closes the engine
+    global llm
+    del llm
+    return run_once(engine)
+
+ModelRunner.exit = slow_exit
+if sys.argv[2] == "dropped":
+    LLM._run_once = dropped
+    llm._loop.start()
+    tearing_down.wait()
+print(time.time(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how, thread", [("dropped", "nanovllm-engine-loop"), ("left-open", "MainThread")])
+def test_an_engine_not_closed_is_torn_down_before_the_interpreter_exits(tiny_model, how, thread):
+    # the interpreter finalized under a loop thread that let go of its engine last (and so closed it): SIGABRT
+    done = subprocess.run([sys.executable, "-c", AT_EXIT, tiny_model, how], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    ended, *lines = done.stdout.splitlines() or [""]
+    assert (done.returncode, lines) == (0, [f"torn down on {thread}"]), done.stderr[-3000:]
+    assert time.time() - float(ended) < 10  # an open engine is closed at once, not waited for
 
 
 def test_a_failed_loop_fails_each_request_once_and_lets_go_of_it():

@@ -6,10 +6,11 @@ own increments, so a slow consumer of one stream does not stall the others.
 
 Lifecycle guarantees: every handle finishes exactly once, with an output or an error. A step that raises fails
 the requests in flight, and the engine serves the next ones; a loop thread that stops on an unexpected error fails
-every pending request, and later calls raise, naming it; `close()` ends the requests in flight with
-`finish_reason="abort"`.
+every pending request, and later calls raise, naming it; `close()`, or the interpreter's exit (`close_at_exit`),
+ends the requests in flight with `finish_reason="abort"`.
 """
 import asyncio
+import atexit
 import threading
 import time
 import weakref
@@ -296,6 +297,7 @@ class EngineLoop:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, daemon=True, name="nanovllm-engine-loop")
                 self.thread.start()
+                STARTED.add(self)
             self.cond.notify()
 
     def _run(self):
@@ -354,3 +356,17 @@ class EngineLoop:
         self.step_lock.release()
         return True
 
+
+STARTED: "weakref.WeakSet[EngineLoop]" = weakref.WeakSet()  # loops whose thread has started
+
+
+@atexit.register
+def close_at_exit(timeout: float = 15.0):
+    """Before the interpreter finalizes: a loop thread that let go of its engine last closes it (the finalizer), and
+    a daemon thread still in torch's C++ code then aborts the process ("terminate called without an active
+    exception")."""
+    for loop in list(STARTED):
+        engine = loop.engine_ref()
+        if engine is not None:  # closed on this thread: its loop thread would run on, or could let go of it last
+            engine.close()
+        loop.thread.join(timeout)
