@@ -5,6 +5,8 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -20,7 +22,7 @@ from nanovllm.engine import llm_engine, workers
 from nanovllm.engine.workers import worker_died, worker_error
 from nanovllm.layers import embed_head, linear
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import (assert_greedy_matches_hf, built_on_ranks, in_background, in_processes,
+from tests.conftest import (ROOT, assert_greedy_matches_hf, built_on_ranks, in_background, in_processes,
                             kill_the_worker_as_rank_0_sizes_its_cache, kill_worker_while_decoding, shm_segments,
                             within)
 
@@ -355,6 +357,35 @@ def test_a_worker_that_dies_is_named_in_an_error_not_a_hang(tiny_model, capfd, e
         generate(llm)
     err = capfd.readouterr().err
     assert all(line in err for line in stderr), err
+
+
+RANK_0_DIES = """
+import os, signal, sys, time
+import torch.distributed as dist
+from nanovllm import LLM
+
+def die(*args):
+    if sys.argv[2] == "in-a-step":  # its connections close before its pipes (as a dying process's may)
+        dist.destroy_process_group()
+        time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2)
+llm.generate([[5, 6, 7]])
+if sys.argv[2] == "in-a-step":  # the worker waits in the step's collective
+    llm.model_runner.model.model.embed_tokens.forward = die
+    llm.generate([[5, 6, 7]])
+die()
+"""
+
+
+@pytest.mark.parametrize("when", ["idle", "in-a-step"])
+def test_a_worker_whose_rank_0_died_exits_quietly(tiny_model, when):
+    # it told rank 0 why it ended, through a pipe closed by rank 0's death: a BrokenPipeError traceback
+    done = subprocess.run([sys.executable, "-c", RANK_0_DIES, tiny_model, when], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)  # (returns once the worker, which shares its stderr, has exited)
+    assert done.returncode == -signal.SIGKILL  # (the resource tracker cleans up after rank 0)
+    assert all("resource_tracker" in line or "warnings.warn" in line for line in done.stderr.splitlines()), done.stderr
 
 
 def kill_the_new_worker(monkeypatch):

@@ -9,6 +9,7 @@
   A new tensor-parallel engine in this process waits for that abort (`COLLECTIVES_ABORT`).
 - rank 0 fails in a step: the workers may wait for good in a collective it never reached, so the engine fails
   every later call (`LLMEngine._step`, after `ModelRunner.out_of_step`).
+- rank 0 dies: the workers end quietly (`run_worker`).
 - shut down: `shutdown` aborts the requests in flight, then asks the workers to exit, or kills them when a step is
   stuck, a worker is gone or rank 0 left a step, and reaps them (`stop_workers`).
 """
@@ -35,6 +36,7 @@ CLOSE_TIMEOUT = 10.0  # seconds close() waits for a running step before it tears
 # dead peer on two H200s): a new engine's process group must not start before the old one is gone
 COLLECTIVES_ABORT = threading.Lock()
 ABORT_WAIT = 60.0  # seconds a new tensor-parallel engine waits for that abort before it gives up
+RANK_0_EXIT_WAIT = 1.0  # seconds a failed worker waits to learn whether rank 0 is dying
 
 
 def start_workers(config: Config) -> tuple[list, ModelRunner]:
@@ -89,7 +91,17 @@ def run_worker(errors, *args):
     try:
         ModelRunner(*args)
     except BaseException as error:
-        errors.send("".join(traceback.format_exception_only(error)).strip())
+        try:
+            errors.send("".join(traceback.format_exception_only(error)).strip())
+        except BrokenPipeError:  # rank 0 is gone
+            pass
+        # a worker whose rank 0 died (which may break a collective here before rank 0's pipes close: the wait) ends
+        # quietly: nobody reads its traceback, rank 0's resource tracker unlinks the shared memory, and an interpreter
+        # exit would only add noise (leak reports of what `ModelRunner` froze) or gloo's abort
+        rank_0 = mp.parent_process()
+        rank_0.join(RANK_0_EXIT_WAIT)
+        if not rank_0.is_alive():
+            os._exit(0)
         raise
 
 
