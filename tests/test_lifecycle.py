@@ -444,7 +444,8 @@ import torch
 from nanovllm import LLM
 from nanovllm.engine.model_runner import ModelRunner
 
-llm, run_once, runner_exit, tearing_down = LLM(sys.argv[1]), LLM._run_once, ModelRunner.exit, threading.Event()
+llm = LLM(sys.argv[1], device="cpu")  # (on CUDA beside pytest's engines: out of memory)
+run_once, runner_exit, tearing_down = LLM._run_once, ModelRunner.exit, threading.Event()
 llm.generate([[5, 6, 7]])  # its loop thread runs
 
 def slow_exit(runner, *args):  # a second in torch's C++ code, the GIL released
