@@ -132,7 +132,7 @@ def test_each_block_of_a_sequence_is_hashed_once(monkeypatch):
     assert bm.allocate(waiting) and waiting.num_cached_tokens == 16
     computed(bm, waiting)
     bm.deallocate(waiting)  # preempted: it comes back with the same history
-    assert bm.allocate(waiting) and waiting.num_computed_tokens == 32
+    assert bm.allocate(waiting) and waiting.num_computed_tokens == 32 and waiting.num_cached_tokens == 16
     assert len(hashed) == 4 + 8  # its other full blocks, once, when their KV was computed
 
 

@@ -72,6 +72,7 @@ PIECES = st.sampled_from([[1, 2], [1, 2, 3], [3], [2, 2, 2, 2], [4, 1]])  # shar
 def test_block_manager_matches_the_reference(block_size, num_blocks, data):
     bm, reference = BlockManager(num_blocks, block_size), ReferenceBlocks(num_blocks, block_size)
     waiting: list[Sequence] = []
+    first_hits: dict[Sequence, int] = {}
     running: list[tuple[Sequence, list[int]]] = []  # with the reference's block table
     for _ in range(data.draw(st.integers(1, 60))):
         action = data.draw(st.sampled_from(["new", "admit", "step", "free"]))
@@ -86,6 +87,8 @@ def test_block_manager_matches_the_reference(block_size, num_blocks, data):
                 continue
             table, num_hits = expected
             assert seq.block_table == table and seq.num_computed_tokens == num_hits * block_size
+            first_hits.setdefault(seq, num_hits)  # the hits reported are those of its first admission
+            assert seq.num_cached_tokens == first_hits[seq] * block_size
             running.append((seq, table))
         elif action == "step" and running:  # compute some tokens; at the end of them, sample one
             seq, table = running[data.draw(st.integers(0, len(running) - 1))]
