@@ -157,6 +157,22 @@ def test_pieces_keep_the_spaces_of_a_sentencepiece_tokenizer(metaspace_tokenizer
     assert "".join(pieces) == metaspace_tokenizer.decode(token_ids) == "the quick brown fox jumps over the lazy dog"
 
 
+@settings(max_examples=60, deadline=None)
+@given(token_ids=st.lists(st.integers(0, 59), min_size=1, max_size=12), skip=st.booleans())
+def test_a_skipped_special_token_keeps_the_context_of_the_next_piece(metaspace_tokenizer, token_ids, skip):
+    """A token that adds no text (0, "<unk>", when skipped) moves no offset: "the <unk> quick" keeps its space."""
+    token_ids = [t for token_id in token_ids for t in (token_id, 0)]
+    detokenizer = IncrementalDetokenizer(metaspace_tokenizer, threading.Lock(), skip)
+    text = "".join(detokenizer.push([token_id]) for token_id in token_ids)
+    assert text == metaspace_tokenizer.decode(token_ids, skip_special_tokens=skip)
+
+
+def test_a_skipped_special_token_keeps_the_space_of_the_next_word(metaspace_tokenizer):
+    the, quick = metaspace_tokenizer.encode("the quick")
+    detokenizer = IncrementalDetokenizer(metaspace_tokenizer, threading.Lock(), skip_special_tokens=True)
+    assert [detokenizer.push([token_id]) for token_id in (the, 0, quick)] == ["the", "", " quick"]
+
+
 def test_a_listener_gets_each_increment_as_it_is_made(tokenizer):
     counting = CountingTokenizer(tokenizer)
     handle = make_handle(counting)
