@@ -173,6 +173,28 @@ def test_a_skipped_special_token_keeps_the_space_of_the_next_word(metaspace_toke
     assert [detokenizer.push([token_id]) for token_id in (the, 0, quick)] == ["the", "", " quick"]
 
 
+def test_a_stop_string_is_found_once_and_the_earliest_first(tokenizer):
+    a, b, c = tokenizer.encode("abc")
+    detokenizer = IncrementalDetokenizer(tokenizer, threading.Lock())
+    detokenizer.push([a, b, c])
+    assert detokenizer.find_stop(["bc", "ab"]) == ("ab", 0)
+    detokenizer.push([a])
+    assert detokenizer.find_stop(["bc", "ab"]) is None  # "bc" was found (and ignored, as before min_tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces=st.lists(st.sampled_from(["a", "b", "c", "ab", "\u00e9"]), min_size=1, max_size=10),
+       stops=st.permutations(["a", "bc", "ab", "ca", "\u00e9"]))
+def test_find_stop_gives_the_earliest_stop_string_that_ends_in_new_text(tokenizer, pieces, stops):
+    detokenizer, searched = IncrementalDetokenizer(tokenizer, threading.Lock()), 0
+    for piece in pieces:  # each hit ignored, as before min_tokens: the search goes on
+        detokenizer.push(tokenizer.encode(piece))
+        text = detokenizer.text
+        new = [(i, s) for s in stops for i in range(len(text)) if text.startswith(s, i) and i + len(s) > searched]
+        assert detokenizer.find_stop(stops) == (min(new)[::-1] if new else None)
+        searched = len(text)
+
+
 def test_a_listener_gets_each_increment_as_it_is_made(tokenizer):
     counting = CountingTokenizer(tokenizer)
     handle = make_handle(counting)
