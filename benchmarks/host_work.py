@@ -13,6 +13,7 @@ item 4), timed on CPU:
     cost 10-30x as much).
 
     python benchmarks/host_work.py [--blocks 4400 131072] [--repeat 50] [--tokens 2000] [--steps 5]
+        [--num-seqs 256]
 
 (Run it from the repository root with PYTHONPATH=. to time this checkout rather than an installed copy.)
 """
@@ -131,7 +132,7 @@ def handle_row(tokenizer, how: str, num_tokens: int, rng: random.Random) -> dict
     decodes = counting.calls
     if how == "iterated at the end":  # a reader who comes once the request has finished reads it all
         seq.finish_reason = "length"
-        handle._on_finish([])
+        handle._on_finish()
         start = time.perf_counter()
         list(increments)
         reader_seconds += time.perf_counter() - start
@@ -198,6 +199,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--num-seqs", type=int, default=256, help="sequences of the sampling and channel steps")
     args = parser.parse_args()
     rng = random.Random(0)
 
@@ -220,21 +222,23 @@ def main():
         row = handle_row(tokenizer, how, args.tokens, rng)
         print(f"{how:>22} | {row['loop']:>14.2f} | {row['reader']:>9.2f} | {row['decodes']:>13.2f}")
 
-    print(f"\nsampling step, 256 sequences x 2,000 tokens, vocabulary {VOCAB}, CPU, median of {args.steps} (ms)")
+    print(f"\nsampling step, {args.num_seqs} sequences x 2,000 tokens, vocabulary {VOCAB}, CPU, "
+          f"median of {args.steps} (ms)")
     print(f"{'rows':>22} | {'build':>8} | {'sample':>8} | {'step':>8} | {'x plain':>7}")
     plain_ms = None
     all_three = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)
     for name, penalties in (("plain", {}), ("repetition", dict(repetition_penalty=1.1)),
                             ("frequency + presence", dict(frequency_penalty=0.2, presence_penalty=0.1)),
                             ("all three", all_three)):
-        row = sampling_step_row(SamplingParams(temperature=0.6, **penalties), 256, args.steps, rng)
+        params = SamplingParams(temperature=0.6, **penalties)
+        row = sampling_step_row(params, args.num_seqs, args.steps, rng)
         step_ms = row["build"] + row["sample"]
         plain_ms = plain_ms or step_ms
         print(f"{name:>22} | {row['build']:>8.1f} | {row['sample']:>8.1f} | {step_ms:>8.1f} | "
               f"{step_ms / plain_ms:>7.2f}")
 
-    print(f"\ntensor-parallel channel, a decode step of 256 sequences, median of {args.repeat} (us)")
-    post, take, size = channel_row(256, args.repeat, rng)
+    print(f"\ntensor-parallel channel, a decode step of {args.num_seqs} sequences, median of {args.repeat} (us)")
+    post, take, size = channel_row(args.num_seqs, args.repeat, rng)
     print(f"rank 0 pickles {post:.1f}, a worker unpickles {take:.1f}; {size} bytes")
     gc.unfreeze()
 
