@@ -2,7 +2,6 @@
 split-KV kernel in bf16 and with an FP8 cache, against the device-copy bandwidth measured in the same run.
 
     python benchmarks/decode_attention.py                  # the table: batch x context x block size
-    python benchmarks/decode_attention.py --sweep          # alternatives to the kernel's tuned choices
     python benchmarks/decode_attention.py --batch 256 --context 1024 --block-size 256   # one row
 
 Each kernel is captured in a CUDA graph, as the engine runs it, and its replays are timed with CUDA events, each
@@ -10,6 +9,7 @@ after a 256 MB read clears L2 (`--flush zero`: do_bench's way, a write): median 
 actually read (an FP8 cache is half the bytes). Contexts are all equal, block tables shuffled, caches random
 (never zeros). Both kernels are told the longest context (flash-attn-4's max_seqlen_k, the Triton kernel's
 max_context, as the engine's decode graphs tell it a bound: fewer splits where contexts are short).
+Sweeps of the kernel's tiles and splits (`--sweep`, retired): `git show 8737174:benchmarks/decode_attention.py`.
 """
 import argparse
 import functools
@@ -78,10 +78,7 @@ def copy_bandwidth() -> float:
 class Problem:
     """One decode batch: queries, a shuffled paged cache (bf16 and an FP8 copy) and the metadata."""
 
-    def __init__(self, batch: int, context: int, block_size: int, fp8: bool = True, shortest: int | None = None,
-                 longest_first: bool = False):
-        """shortest: contexts drawn uniformly from shortest..context (seeded) rather than all `context` long;
-        longest_first: the batch sorted by context, longest first."""
+    def __init__(self, batch: int, context: int, block_size: int, fp8: bool = True):
         blocks_per_seq = math.ceil(context / block_size)
         num_blocks = batch * blocks_per_seq
         shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
@@ -91,11 +88,7 @@ class Problem:
         self.v8 = values_as_cache(self.v.to(FP8_DTYPE)) if fp8 else None  # (chunked where `value_chunk` says)
         self.q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         tables = torch.randperm(num_blocks, dtype=torch.int32, device="cuda").view(batch, blocks_per_seq)
-        draw = torch.Generator().manual_seed(0)
-        lens = (torch.full((batch,), context, dtype=torch.int32) if shortest is None else
-                torch.randint(shortest, context + 1, (batch,), dtype=torch.int32, generator=draw))
-        if longest_first:
-            lens = lens.sort(descending=True).values
+        lens = torch.full((batch,), context, dtype=torch.int32)
         self.meta = AttentionMetadata(
             slot_mapping=torch.full((batch,), -1, device="cuda"), block_tables=tables,
             context_lens=lens.cuda(), cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
@@ -156,71 +149,18 @@ def cell(us: float, p: Problem, fp8: bool = False) -> str:
     return f"{us:.1f} ({p.bytes_bf16 / (2 if fp8 else 1) / us / 1e6:.2f})"
 
 
-def ragged(args):
-    """Split counts (--splits) against ragged contexts (bench.py's: 100 to 2,048 tokens, uniform, longest first:
-    the order the engine's decode graphs give the kernel) and against equal contexts of their mean (1,074); over
-    the cache of --kv-cache-dtype (TB/s of the bytes read: an FP8 cache is half of them)."""
-    copy = copy_bandwidth()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fp8 = args.kv_cache_dtype == "fp8"
-    print(f"copy bandwidth {copy:.2f} TB/s; {args.kv_cache_dtype} cache, block 256; us (TB/s)")
-    print("| batch | chosen | " + " | ".join(f"{s} ragged | {s} equal" for s in args.splits) + " |")
-    print("| ---: " * (2 * len(args.splits) + 2) + "|")
-    for batch in args.batch:
-        problems = (Problem(batch, 2048, 256, fp8=fp8, shortest=100, longest_first=True),
-                    Problem(batch, 1074, 256, fp8=fp8))
-        cells = [cell(time_us(p.triton(fp8=fp8, num_splits=s)), p, fp8) for s in args.splits for p in problems]
-        chosen = triton_attention.decode_splits(batch, KV_HEADS, sms, 1 if fp8 else 2)
-        print(f"| {batch} | {chosen} | " + " | ".join(cells) + " |", flush=True)
-        del problems
-        torch.cuda.empty_cache()
-
-
-def sweep(args):
-    """Alternatives to the kernel's tuned choices, each beside the default, on the shapes that stress it (the FP8
-    tiles at the table's shapes, bf16 tiles for short contexts, tiles at ragged contexts: `git show
-    a530cca:benchmarks/decode_attention.py`)."""
-    fp16, bf16 = torch.float16, torch.bfloat16
-    cases = [  # (batch, context, fp8, overrides)
-        *[(256, 1024, True, dict(kv_tile=t, num_warps=w, num_stages=3, compute_dtype=c))
-          for c in (fp16, bf16) for t, w in ((128, 4), (64, 4), (64, 2), (128, 8))],
-        *[(b, c, False, dict(kv_tile=t, num_warps=w, num_stages=st)) for b, c in ((8, 16384), (32, 16384), (4, 4096))
-          for t, w, st in ((64, 4, 3), (32, 2, 4), (32, 4, 3), (128, 4, 3))],
-        *[(b, c, False, dict(min_split_tokens=m)) for b, c in ((1, 4096), (4, 1024)) for m in (64, 128, 256)],
-        *[(b, 16384, True, {}) for b in (1, 8, 32)],
-    ]
-    copy = copy_bandwidth()
-    print(f"copy bandwidth {copy:.2f} TB/s")
-    problems = {}
-    for batch, context, fp8, overrides in cases:
-        key = (batch, context)
-        if key not in problems:
-            problems.clear()
-            problems[key] = Problem(batch, context, 256)
-        p = problems[key]
-        gb = p.bytes_bf16 / 1e9 / (2 if fp8 else 1)
-        us = time_us(p.triton(fp8=fp8, **overrides))
-        print(f"{batch}x{context} {'fp8' if fp8 else 'bf16'} {overrides}: {us:.1f} us, {gb / us * 1e3:.2f} TB/s",
-              flush=True)
-
-
 def main():
     global FLUSH
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--context", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--block-size", type=int, nargs="+", default=BLOCK_SIZES)
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "ragged"],
-                        help="time the kernel's tile and split choices instead (ragged: split counts at bench.py's "
-                             "ragged contexts, over --batch)")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the cache of --sweep ragged")
-    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8], help="the split counts of --sweep ragged")
     parser.add_argument("--flush", choices=["read", "zero"], default=FLUSH,
                         help="clear L2 before each replay by reading 256 MB, or by writing them (do_bench)")
     args = parser.parse_args()
     FLUSH = args.flush
     torch.manual_seed(0)
-    (ragged if args.sweep == "ragged" else sweep if args.sweep else table)(args)
+    table(args)
 
 
 if __name__ == "__main__":
