@@ -140,8 +140,8 @@ class ModelRunner:
                 and os.environ.get("NANOVLLM_PIECEWISE_GRAPHS", "1") != "0"):
             self.piecewise = PiecewiseGraphs(self.model, min(MAX_TOKENS, config.max_num_batched_tokens),
                                              self.device)
-        # and the small ones, where attention is Triton's varlen kernel, replay one graph each (on an H200 a step of a
-        # 16-token prompt beside 8 decodes took 5.4 ms through the pieces); NANOVLLM_VARLEN_GRAPHS=0 turns them off
+        # and the small ones, where attention is Triton's varlen kernel, replay one graph each (`varlen_graphs`);
+        # NANOVLLM_VARLEN_GRAPHS=0 turns them off
         if (self.piecewise is not None and self.backend.varlen_graph_tokens
                 and os.environ.get("NANOVLLM_VARLEN_GRAPHS", "1") != "0"):
             self.varlen_graphs = VarlenGraphs(

@@ -1,13 +1,13 @@
 """Whole CUDA graphs for small prefills, chunks and mixed steps, where attention is Triton's varlen kernel.
 
 Piecewise graphs (`piecewise_graphs.py`) run attention eagerly between the pieces, so such a step costs the host 28
-attention launches and 29 graph launches: on an H200, 5.4 ms for 8 decodes beside a 16-token prompt, whose GPU work is
-about 2 ms (profile_mixed.py: `git show d428276:benchmarks/profile_mixed.py`). Here the whole forward of a step of up
-to `size` tokens and `max_seqs` sequences is one graph per token count of `graph_sizes`, replayed over static buffers
-that one host-to-device copy fills, like the decode graphs'; the LM head and the sampler run after it, eagerly, on the
-rows that sample. The varlen kernel's grid, which follows the step's shape, is fixed here: its programs take the rows
-of a tile map instead, each a (sequence, tile of its queries) or a (decode, split of its keys), and the rows past the
-step's return at once (`triton_attention.varlen_tile_map`); a second kernel merges the decodes' splits.
+attention launches and 29 graph launches (on an H200, 5.4 ms for 8 decodes beside a 16-token prompt, whose GPU work is
+about 2 ms). Here the whole forward of a step of up to `size` tokens and `max_seqs` sequences is one graph per token
+count of `graph_sizes`, replayed over static buffers that one host-to-device copy fills, like the decode graphs'; the
+LM head and the sampler run after it, eagerly, on the rows that sample. The varlen kernel's grid, which follows the
+step's shape, is fixed here: its programs take the rows of a tile map instead, each a (sequence, tile of its queries)
+or a (decode, split of its keys), and the rows past the step's return at once (`triton_attention.varlen_tile_map`); a
+second kernel merges the decodes' splits.
 
 A step takes the smallest size >= its token count. Its padding tokens (id 0, position 0, slot -1) flow through
 the rows of the linear layers, which are independent, and store nothing; no tile reads them. Padding sequences
@@ -33,8 +33,7 @@ FINE_FROM, FINE_STEP = 256, 128  # above FINE_FROM tokens, a size every FINE_STE
 
 def graph_sizes(max_tokens: int) -> list[int]:
     """`token_counts` up to FINE_FROM, then every FINE_STEP tokens up to `max_tokens`: steps that large are bound
-    by the GPU's work, which padding adds to (on an H200 a step of 1,032 tokens took 5.15 ms padded to 1,536, a
-    prompt of 1,024 alone 4.00 ms)."""
+    by the GPU's work, which padding adds to."""
     if max_tokens <= FINE_FROM:
         return token_counts(max_tokens)
     return token_counts(FINE_FROM) + [*range(FINE_FROM + FINE_STEP, max_tokens, FINE_STEP), max_tokens]

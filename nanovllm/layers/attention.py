@@ -22,9 +22,8 @@ from torch import nn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn; the store saturates there (a cast would give NaN)
-# keys a chunk of an FP8 cache's values (`value_chunk`). H200, Qwen3-0.6B's heads, Triton decode kernel against the
-# values laid out as the keys (benchmarks/decode_attention_notes.md, run 11): 256 x 1k 165.3 -> 141.2 us, 128 x 4k
-# 348.2 -> 269.5, 32 x 4k 96.8 -> 82.8, 1 x 16k 25.9 -> 23.1. NANOVLLM_VALUE_CHUNK overrides it (0: never chunked)
+# keys a chunk of an FP8 cache's values (`value_chunk`): the Triton decode kernel 11-23% faster than over values laid
+# out as the keys (decode notes, run 11). NANOVLLM_VALUE_CHUNK overrides it (0: never chunked)
 VALUE_CHUNK = int(os.environ.get("NANOVLLM_VALUE_CHUNK", 64))
 
 

@@ -1,10 +1,9 @@
 """silu(gate) * up as one Triton kernel (CUDA), for steps of more rows than the skinny projection fuses it into.
 
 x: [..., 2 * n], rows contiguous in their last dim ([gate | up], the merged projection's output); the result
-[..., n] in x's dtype, computed in float32 and rounded once, as torch.compile's fused kernel does. Each program
-takes a tile of rows x columns. torch.compile's kernel (dynamic shapes) takes a flat index an element, likely
-divided by the row length each time; on an H200, in a step of 1,024 tokens of Qwen3-0.6B (3,072 columns), it
-took 13.0 us a layer and this one 4.9, where the bytes (19 MB) need 4.4. Triton is imported under a guard, as
+[..., n] in x's dtype, computed in float32 and rounded once, as torch.compile's fused kernel does, which takes a
+flat index an element: 13.0 us a layer at 1,024 tokens of Qwen3-0.6B on an H200, this one (a tile of rows x
+columns a program) 4.9, the bytes 4.4. Triton is imported under a guard, as
 in `triton_kvstore`.
 """
 import torch

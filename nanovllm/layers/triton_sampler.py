@@ -14,12 +14,11 @@ Contract, the same draws in law as `Sampler.forward`'s torch path:
   needs no host value at replay.
 
 A program loops over its part of a row's vocabulary in tiles; each lane of a tile keeps its own winner, and the
-lanes meet once, at the end of the part (a reduction after every tile took 201 us at 256 rows on an H200, this
-137 us; with the approximate log2 above, 77 us). A few rows would leave most of the GPU idle (one row of Qwen3's
-151,936 logits took 114 us on an H200 as one program), so the vocabulary is cut into parts of whole groups of four
-tiles until the rows' programs fill the SMs twice, and a second kernel picks each row's winner among its parts'
-(the first of equal scores, so the draws are the same as one program's). The grid is fixed per row count: a CUDA
-graph can capture it. (`read_pending`: a captured step's input ids, from the samples of the step before.)
+lanes meet once, at the end of the part (at 256 rows on an H200: 201 us with a reduction after every tile, 77 us
+so). A few rows would leave most of the GPU idle as one program each, so the vocabulary is cut into parts of whole
+groups of four tiles until the rows' programs fill the SMs twice, and a second kernel picks each row's winner among
+its parts' (the first of equal scores, so the draws are the same as one program's). The grid is fixed per row
+count: a CUDA graph can capture it. (`read_pending`: a captured step's input ids, from the samples of the step before.)
 """
 import torch
 

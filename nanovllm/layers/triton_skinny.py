@@ -25,8 +25,7 @@ where a small step's GPU otherwise idles. Every program waits before it stores a
 kernel still ends after the one before it (and all earlier ones) did. The attention kernels and the fused rope
 and store take part in the same way.
 
-On the H200, in Qwen3-0.6B's shapes (`git show 34b7da6:benchmarks/skinny_gemm.py`), cuBLAS reads the weights of
-these small products slowly (o_proj 5.8-6.1 us a layer at 8-32 rows for 4 MB that need 1 us at copy bandwidth).
+cuBLAS reads the weights of these small products slowly (`git show 34b7da6:benchmarks/skinny_gemm.py`).
 NANOVLLM_SKINNY_GEMM=0 turns the kernel off, NANOVLLM_SKINNY_ROPE=0 its rope and store (then a kernel of its own),
 NANOVLLM_PDL=0 the dependent launches, for comparison.
 """
@@ -224,9 +223,8 @@ if triton is not None:
 
 _counters: dict[torch.device, torch.Tensor] = {}
 # up to this many rows a program of a normed product in parts loads its rows whole for their sums of squares; past
-# them each part sums its own columns' squares and the last part applies rstd to the sums. On an H200 (context
-# ~1,000) the parts' own squares took 32 sequences from 1.916 to 1.860 ms a step but 4 from 0.963 to 1.031, 8 and
-# 16 alike (session 31, two calls in opposite orders)
+# them each part sums its own columns' squares and the last part applies rstd (faster at 32 rows, slower at 4:
+# session 31)
 WHOLE_ROWS_NORM_UP_TO = 16
 
 
@@ -238,10 +236,8 @@ def norm_parts(parts: int, block_m: int, normed: bool = True) -> int:
 
 def plan(block_m: int, k: int, gated: bool, head_dim: int = 0) -> tuple[int, int, int]:
     """(block_n, block_k, num_warps), the fastest tiles of `skinny_gemm.py --sweep` (in git at 34b7da6) on an H200 in
-    Qwen3-0.6B's shapes (K 1024 for qkv and gate/up, 2048 for o_proj, 3072 for down) at 16 and 32 rows, but for
-    K above 2048 (down there) at up to 16 rows, timed in the engine's decode steps instead: twice the programs (192)
-    of half the weights took batch 1 from 0.858 to 0.807 ms a step (32 rows: 0.4% slower, so they keep theirs). With
-    rope (head_dim), a program takes half a head twice (one head) and 32K weights, as the plain qkv tiles do."""
+    Qwen3-0.6B's shapes at 16 and 32 rows; down (K above 2048) at up to 16 rows: twice the programs of half the
+    weights (batch 1's decode step 0.86 -> 0.81 ms). With rope (head_dim), a program takes one head and 32K weights."""
     if head_dim:
         return head_dim // 2, min(32768 // head_dim, triton.next_power_of_2(k)), 8
     if gated:
