@@ -362,9 +362,9 @@ STARTED: "weakref.WeakSet[EngineLoop]" = weakref.WeakSet()  # loops whose thread
 
 @atexit.register
 def close_at_exit(timeout: float = 15.0):
-    """Before the interpreter finalizes: a loop thread that let go of its engine last closes it (the finalizer), and
-    a daemon thread still in torch's C++ code then aborts the process ("terminate called without an active
-    exception")."""
+    """Close every open engine and wait for its loop thread before the interpreter finalizes: else a loop thread
+    that let go of its engine last closes it (the finalizer) meanwhile, and a daemon thread still in torch's C++
+    code then aborts the process ("terminate called without an active exception")."""
     for loop in list(STARTED):
         engine = loop.engine_ref()
         if engine is not None:  # closed on this thread: its loop thread would run on, or could let go of it last
