@@ -27,8 +27,7 @@ def test_unknown_engine_argument_is_named(tiny_model):
 
 @pytest.mark.parametrize("name, value", [("eos_token_ids", (5,)), ("hf_config", None)])
 def test_fields_the_engine_sets_are_not_engine_arguments(tiny_model, name, value):
-    """eos_token_ids and hf_config are Config fields the engine fills in itself: passed as engine arguments
-    they are unknown ones (a TypeError that names them), not silently overwritten."""
+    """Fields the engine fills in are unknown arguments, not overwritten."""
     with pytest.raises(TypeError, match=f"unknown engine argument\\(s\\) \\['{name}'\\]"):
         LLM(tiny_model, **{name: value})
 
@@ -51,7 +50,6 @@ def test_bad_engine_settings(tiny_model, kwargs, match):
 
 
 def test_a_bool_is_not_an_int_setting(tiny_model):
-    """True is an int to Python, yet max_num_seqs=True is a mistake to name, not a batch of one."""
     with pytest.raises(TypeError, match="max_num_seqs=True must be an int"):
         LLM(tiny_model, max_num_seqs=True)
 
@@ -70,6 +68,8 @@ def test_flash_attn_without_cuda_is_a_clear_error(tiny_model):
     ({"max_tokens": 2.5}, TypeError),
     ({"ignore_eos": "yes"}, TypeError),
     ({"top_k": -2}, ValueError),
+    ({"min_p": -0.1}, ValueError),
+    ({"min_tokens": -1}, ValueError),
     ({"frequency_penalty": -2.5}, ValueError),
 ])
 def test_bad_sampling_params(kwargs, error):
@@ -78,8 +78,7 @@ def test_bad_sampling_params(kwargs, error):
 
 
 def test_sampling_params_at_the_edges_of_their_ranges_are_taken():
-    """vLLM's ranges, closed where theirs are: top_k -1 (off) and 0, penalties of -2 and 2, top_p and min_p of 1,
-    min_tokens equal to max_tokens, logprobs 0, stop token 0; stop token -1 is not."""
+    """vLLM's ranges, closed where theirs are."""
     for kwargs in ({"top_k": -1}, {"top_k": 0}, {"frequency_penalty": -2.0, "presence_penalty": -2.0},
                    {"frequency_penalty": 2.0, "presence_penalty": 2.0}, {"top_p": 1.0, "min_p": 1.0},
                    {"min_tokens": 4, "max_tokens": 4}, {"logprobs": 0}, {"stop_token_ids": [0]}):
@@ -126,7 +125,6 @@ def test_prompt_of_exactly_max_model_len_is_served(llm):
     ("triton_skinny", lambda m: m.skinny_linear(None, None), "skinny"),
 ])
 def test_a_kernel_without_triton_names_itself_and_why(monkeypatch, module, call, name):
-    """Where Triton does not import, calling a kernel says which one and why, not an AttributeError on None."""
     monkeypatch.setattr(triton_guard, "triton", None)
     monkeypatch.setattr(triton_guard, "TRITON_ERROR", ImportError("no triton on this test's machine"))
     with pytest.raises(RuntimeError, match=f"(?s){name}.*no triton on this test's machine"):

@@ -13,7 +13,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.penalty_slots import PenaltySlots
 from nanovllm.engine.sampling_batch import build_sampling_batch
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler, SamplingBatch, apply_min_p_top_k_top_p, apply_penalties
+from nanovllm.layers.sampler import Penalties, Sampler, SamplingBatch, apply_min_p_top_k_top_p, apply_penalties
 from tests.conftest import full_rebuild_penalties
 
 
@@ -59,21 +59,21 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 
 def test_plain_rows_take_the_fast_path():
     def batch_of(*params):
-        return build_sampling_batch([Sequence([5, 6], p) for p in params], frozenset([1]), 64, torch.from_numpy)
+        return build_sampling_batch([Sequence([5, 6], p) for p in params], frozenset([1, 64]), 64, torch.from_numpy)
 
     plain = batch_of(SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=0.7, stop="x"))
     assert plain.is_plain and plain.temperatures.tolist() == pytest.approx([1.0, 0.0, 0.7])
-    full = batch_of(SamplingParams(), SamplingParams(top_k=3), SamplingParams(min_tokens=2))
+    full = batch_of(SamplingParams(), SamplingParams(top_k=3), SamplingParams(min_tokens=2, stop_token_ids=[63]))
     assert not full.is_plain
     assert full.top_k.tolist() == [64, 3, 64] and full.top_p is None and full.penalties is None
-    assert full.banned[2, 1] and not full.banned[:2].any()  # only the row short of min_tokens
+    assert full.banned[2, 1] and full.banned[2, 63] and not full.banned[:2].any()  # only the row short of min_tokens
 
 
 @pytest.mark.parametrize("control", [dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(seed=3), dict(logprobs=0),
                                      dict(min_tokens=1), dict(presence_penalty=0.5), dict(frequency_penalty=-0.5),
                                      dict(repetition_penalty=1.3), dict(repetition_penalty=0.8)])
 def test_any_one_control_leaves_the_fast_path(control):
-    # turned-off controls and stop strings keep a request on the temperature-only path
+    # turned-off controls and stop strings stay plain
     assert not SamplingParams(**control).is_plain
     assert not Sequence([5, 6], SamplingParams(**control)).plain_sampling
     assert SamplingParams(top_k=-1, top_p=1.0, min_p=0.0, repetition_penalty=1.0, stop=["x"],
@@ -88,8 +88,16 @@ def test_a_ban_holds_for_every_row_and_logprobs_are_of_the_raw_logits():
     assert sampled[0] == 1 and sampled[1] != 2 and torch.allclose(top_values, logits.log_softmax(-1).flip(-1))
 
 
+def test_penalties_then_temperature_then_controls():
+    penalties = Penalties(*map(torch.tensor, ([0], [[0]], [[1.0]], [1.0], [2.0], [0.0], [0], [0])))
+    batch = SamplingBatch(torch.tensor([2.0]), min_p=torch.tensor([1.0]), penalties=penalties)
+    assert Sampler().sample(torch.tensor([[3.0, 0.0]]), batch)[0] == 0  # (3 - 2) / 2 > 0 > 3 / 2 - 2
+    batch = SamplingBatch(torch.full([999], 99.0), top_k=torch.full([999], 2))
+    draws = Sampler().sample(torch.tensor([[0.0, 1.0]]).expand(999, 2), batch, torch.Generator().manual_seed(0))[0]
+    assert abs(draws.float().mean() - 0.5) < 0.1  # 0.73 at temperature 1
+
+
 def test_greedy_controls_hold_alone_and_beside_rows_without_them(llm):
-    # greedy alone and beside rows without them (which still sample)
     batch = prompts(6)
     expected = ids(llm, batch, greedy())
     plain = sampled(1.5, seed=0)
@@ -152,12 +160,15 @@ def test_same_seed_same_tokens_in_any_company(llm):
 def test_a_seeded_requests_draws_differ_from_position_to_position():
     # a seed fixes each position's draw
     sampler, seq = Sampler(), Sequence([5, 6], SamplingParams(temperature=1.0, seed=3))
-    tokens = []
+    tokens, seeds = [], []
     for _ in range(8):
         batch = build_sampling_batch([seq], frozenset([1]), 64, torch.from_numpy)
+        seeds.append(batch.seeds[0][1])
         tokens.append(sampler.sample(torch.zeros(1, 64), batch)[0].item())
         seq.append_token(tokens[-1])
     assert len(set(tokens)) > 1
+    seq = Sequence([5], SamplingParams(seed=4))  # not seed 3's, shifted
+    assert build_sampling_batch([seq], frozenset(), 64, torch.from_numpy).seeds[0][1] not in seeds
 
 
 def test_same_seed_survives_preemption(llm, tiny_model):
@@ -188,6 +199,8 @@ def test_stop_string_spanning_tokens_and_waiting_for_min_tokens(llm):
     # streamed pieces add up to the same text
     pieces = [increment["text"] for increment in llm.submit(prompt, greedy(48, stop=stop))]
     assert "".join(pieces) == out["text"]
+    capped = one(llm, prompt, greedy(num_tokens, stop=stop, min_tokens=num_tokens))
+    assert capped["text"] == out["text"] and (capped["finish_reason"], capped["stop_reason"]) == ("stop", stop)
     out = one(llm, prompt, greedy(48, stop=stop, min_tokens=num_tokens + 1))
     assert len(out["token_ids"]) > num_tokens  # the occurrence before min_tokens did not count
 
@@ -218,6 +231,7 @@ def test_min_tokens_suppresses_eos(llm, tiny_model, hf_model, tmp_path):
         assert stopped["stop_reason"] is None and stopped["text"] == ""
         out = one(eos_llm, prompt, SamplingParams(temperature=0, max_tokens=8, min_tokens=4))
         ignored = one(eos_llm, prompt, greedy(4, min_tokens=4))
+        assert one(eos_llm, prompt, greedy(4))["token_ids"] == ignored["token_ids"]
     assert len(out["token_ids"]) >= 4 and first not in out["token_ids"][:4]
     assert ignored["token_ids"][0] == first  # with ignore_eos, EOS is never banned
     # the first token is HF's argmax with EOS banned
@@ -260,7 +274,7 @@ def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[in
                           min_size=5, max_size=5),
        seed=st.integers(0, 2**32 - 1))
 def test_penalties_from_slots_equal_a_full_rebuild(histories, settings_, seed):
-    """Outputs known when a slot is built or sampled into it later: as a full rebuild, bit for bit."""
+    """As a full rebuild, bit for bit."""
     vocab = 50
     params = [SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
               for r, f, p in settings_[:len(histories)]]
