@@ -43,6 +43,8 @@ class SamplingParams:
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if self.temperature < 1e-5:  # greedy, as vLLM (logits / 1e-40 overflow)
+            self.temperature = 0.0
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < -1:
