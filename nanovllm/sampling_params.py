@@ -8,6 +8,8 @@ import math
 import operator
 from dataclasses import dataclass
 
+MIN_TEMPERATURE = 0.01  # a lower one but 0 is raised to it (vLLM's _MAX_TEMP)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -43,8 +45,8 @@ class SamplingParams:
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if self.temperature < 1e-5:  # greedy, as vLLM (logits / 1e-40 overflow)
-            self.temperature = 0.0
+        if 0 < self.temperature < MIN_TEMPERATURE:  # as vLLM: logits / 1e-40 overflow
+            self.temperature = MIN_TEMPERATURE
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < -1:
