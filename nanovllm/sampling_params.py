@@ -73,7 +73,7 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise TypeError(f"stop={self.stop!r} must be a string or a list of strings")
         if not all(stop):
-            raise ValueError("stop strings must not be empty")
+            raise ValueError(f"stop={self.stop!r}: stop strings must not be empty")
         self.stop = list(stop)
         stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if isinstance(stop_token_ids, (str, bytes, dict)) or not hasattr(stop_token_ids, "__iter__"):

@@ -401,7 +401,7 @@ def test_chat_without_a_template_is_a_clear_error(llm, monkeypatch):
     ({"min_p": 1.5}, ValueError, "min_p=1.5"),
     ({"seed": "x"}, TypeError, "seed='x'"),
     ({"min_tokens": 10, "max_tokens": 5}, ValueError, "min_tokens=10 must be in \\[0, max_tokens=5\\]"),
-    ({"stop": [""]}, ValueError, "stop strings must not be empty"),
+    ({"stop": ["x", ""]}, ValueError, "stop=\\['x', ''\\]: stop strings must not be empty"),
     ({"stop": 5}, TypeError, "stop=5"),
     ({"stop_token_ids": [1, -3]}, ValueError, "stop token id -3"),
     ({"stop_token_ids": 3}, TypeError, "stop_token_ids=3"),
