@@ -100,6 +100,8 @@ def test_preemption_when_blocks_run_out(tiny_model, prefill_first):
     (SamplingParams(max_tokens=10), [5, EOS, 5], "stop", 2, 4096),
     (SamplingParams(max_tokens=3, ignore_eos=True), [EOS, EOS, EOS, EOS], "length", 3, 4096),
     (SamplingParams(max_tokens=100), [5, 5, 5], "length", 2, 6),  # at max_model_len: 4 + 2 tokens
+    (SamplingParams(max_tokens=2), [5, EOS], "length", 2, 4096),  # the length first, as vLLM v1
+    (SamplingParams(max_tokens=100, stop_token_ids=[7]), [5, 7], "length", 2, 6),
 ])
 def test_finish_conditions(tiny_model, params, tokens, reason, length, max_model_len):
     seq = Sequence([9] * 4, params)
@@ -109,7 +111,7 @@ def test_finish_conditions(tiny_model, params, tokens, reason, length, max_model
         if finished:
             break
     assert finished == [seq] and seq.finish_reason == reason and seq.num_completion_tokens == length
-    assert s.is_finished() and s.block_manager.num_free_blocks == 8
+    assert seq.stop_reason is None and s.is_finished() and s.block_manager.num_free_blocks == 8
 
 
 def launch(s: Scheduler) -> tuple:

@@ -105,10 +105,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _complete(self, data, sampled, filled, tokens):
         took, done = self.scheduler.complete(sampled, filled, tokens)
-        for seq in took:  # a stop token ends it, unless before min_tokens
+        for seq in took:  # the length ends it first (as vLLM v1), then a stop token, unless before min_tokens
             params = seq.params
             stops = (seq.last_token == EOS and not params.ignore_eos) or seq.last_token in params.stop_token_ids
-            if stops and seq.num_completion_tokens >= params.min_tokens:
+            if self.scheduler._reaches_length(seq):
+                assert seq.is_finished and seq.finish_reason == "length"
+            elif stops and seq.num_completion_tokens >= params.min_tokens:
                 assert seq.is_finished and seq.finish_reason == "stop"
             elif stops:
                 assert seq.finish_reason != "stop"

@@ -154,11 +154,11 @@ class Scheduler:
             took.append(seq)
             params = seq.params
             is_eos = not params.ignore_eos and token_id in self.eos_token_ids
-            if (is_eos or token_id in params.stop_token_ids) and seq.num_completion_tokens >= params.min_tokens:
+            if self._reaches_length(seq):  # first, as vLLM v1: EOS as the last allowed token ends it "length"
+                self.finish(seq, "length")
+            elif (is_eos or token_id in params.stop_token_ids) and seq.num_completion_tokens >= params.min_tokens:
                 seq.stop_reason = None if is_eos else token_id  # as vLLM: None for EOS
                 self.finish(seq, "stop")
-            elif self._reaches_length(seq):
-                self.finish(seq, "length")
             else:
                 continue
             finished.append(seq)
