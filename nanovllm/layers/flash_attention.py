@@ -1,8 +1,7 @@
 """The flash-attn backend: paged attention through the flash-attention kernels, the KV store through Triton.
 
-Contract (see `nanovllm.layers.attention`): sequence i's queries `q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]` are the
-last tokens of its `context_lens[i]` tokens, whose keys and values are already in the paged cache under block
-table row i (int32, padded with -1). Attention is causal, aligned to the end of the context.
+Contract: `nanovllm.layers.attention`'s; block table rows are int32, padded with -1. Attention is causal, aligned
+to the end of the context.
 
 Two kernel families, picked once when the backend is built:
 - "fa4": flash-attn-4, `flash_attn.cute.flash_attn_varlen_func`, on Hopper/Blackwell (sm 9x-11x). One call per
@@ -15,7 +14,7 @@ With `triton_decode=True` (attention_backend="triton-decode"), decode-only steps
 kernel (`nanovllm.layers.triton_attention`) instead, on the GPUs where it measured faster, and so do prefill and
 mixed steps of at most `triton_varlen_tokens` tokens besides their leading decodes (the Triton varlen kernel, with
 `split_decodes`): flash-attn-4 spends far more host time per call than its kernel takes on a small step, and a
-piecewise-graph step calls attention once per layer (mixed_attention.py, in git at d428276). Larger steps
+piecewise-graph step calls attention once per layer. Larger steps
 keep flash-attn. Neither family reads an FP8 cache.
 
 The kernels only read the block-table entries of blocks below `ceil(context_len / block_size)`, so the -1
