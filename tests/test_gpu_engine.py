@@ -156,7 +156,7 @@ def test_sampling_controls_on_cuda(qwen3_small):
                 assert next(iter(entry)) == token_id and len(entry) in (3, 4)
                 assert all(-1e4 < value <= 0 for value in entry.values())
         free = llm.generate(batch[:1], greedy(16), use_tqdm=False)[0]["token_ids"]
-        index = max(i for i in range(16) if free[i] not in free[:i])  # the first time of the latest new token
+        index = max(i for i in range(15) if free[i] not in free[:i])  # a new token, not the last allowed (length)
         stopped = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[free[index]])
         out = llm.generate(batch[:1], stopped, use_tqdm=False)[0]
     assert out["token_ids"] == free[:index + 1] and out["stop_reason"] == free[index]
