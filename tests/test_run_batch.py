@@ -240,7 +240,7 @@ def test_vllm_sampling_fields_reach_the_sampling_params():
 
 
 def test_result_line_usage_and_logprobs():
-    """Cached tokens summed over choices, -inf logprobs clamped (JSON has none), text_offset in characters."""
+    """Cached tokens once per prompt, as prompt_tokens, -inf logprobs clamped (JSON has none), text_offset in characters."""
     texts = {5: "ab", 6: "cde", 7: "f"}
     outputs = [{"text": "abcde", "token_ids": [5, 6], "logprobs": [{5: -0.5, 7: -1.0}, {6: float("-inf")}],
                 "finish_reason": "length", "stop_reason": None, "num_cached_tokens": 16},
@@ -248,7 +248,7 @@ def test_result_line_usage_and_logprobs():
                 "finish_reason": "stop", "stop_reason": None, "num_cached_tokens": 32}]
     completion = parse_request(request("c", prompt="x", logprobs=1, n=2), "c", 1)
     line = result_line(completion, outputs, 40, "m", texts.get)
-    assert line["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert line["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
     first = choices(line)[0]["logprobs"]
     assert first["tokens"] == ["ab", "cde"] and first["text_offset"] == [0, 2]
     assert first["token_logprobs"] == [-0.5, MIN_LOGPROB] and first["top_logprobs"][1] == {"cde": MIN_LOGPROB}

@@ -214,6 +214,7 @@ def result_line(request: BatchRequest, outputs: list[dict], num_prompt_tokens: i
         choice["stop_reason"] = out["stop_reason"]  # vLLM's field: the stop string or token id, if one ended it
         choices.append(choice)
     completion_tokens = sum(len(out["token_ids"]) for out in outputs)
+    cached = sum(out["num_cached_tokens"] for out in outputs[::request.n])  # as prompt_tokens: once a prompt
     body = {
         "id": f"{'chatcmpl' if request.chat else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if request.chat else "text_completion",
@@ -222,7 +223,7 @@ def result_line(request: BatchRequest, outputs: list[dict], num_prompt_tokens: i
         "choices": choices,
         "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": num_prompt_tokens + completion_tokens,
-                  "prompt_tokens_details": {"cached_tokens": sum(o["num_cached_tokens"] for o in outputs)}},
+                  "prompt_tokens_details": {"cached_tokens": cached}},
     }
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id,
             "response": {"status_code": 200, "request_id": f"nanovllm-batch-{uuid.uuid4().hex}", "body": body},
