@@ -240,9 +240,9 @@ def test_vllm_sampling_fields_reach_the_sampling_params():
 
 
 def test_result_line_usage_and_logprobs():
-    """Cached tokens once per prompt, as prompt_tokens, -inf logprobs clamped (JSON has none), text_offset in characters."""
+    """Cached tokens once a prompt, -inf logprobs clamped (JSON has none), text_offset in characters."""
     texts = {5: "ab", 6: "cde", 7: "f"}
-    outputs = [{"text": "abcde", "token_ids": [5, 6], "logprobs": [{5: -0.5, 7: -1.0}, {6: float("-inf")}],
+    outputs = [{"text": "abcde", "token_ids": [5, 6], "logprobs": [{5: -0.5, 7: -0.25}, {6: float("-inf")}],
                 "finish_reason": "length", "stop_reason": None, "num_cached_tokens": 16},
                {"text": "f", "token_ids": [7], "logprobs": [{7: -0.25}],
                 "finish_reason": "stop", "stop_reason": None, "num_cached_tokens": 32}]
@@ -251,7 +251,8 @@ def test_result_line_usage_and_logprobs():
     assert line["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
     first = choices(line)[0]["logprobs"]
     assert first["tokens"] == ["ab", "cde"] and first["text_offset"] == [0, 2]
-    assert first["token_logprobs"] == [-0.5, MIN_LOGPROB] and first["top_logprobs"][1] == {"cde": MIN_LOGPROB}
+    assert first["token_logprobs"] == [-0.5, MIN_LOGPROB]  # top_logprobs: the sampled token too, as OpenAI's
+    assert first["top_logprobs"] == [{"f": -0.25, "ab": -0.5}, {"cde": MIN_LOGPROB}]
     chat = parse_request(request("h", CHAT, messages=user("x"), logprobs=True, top_logprobs=1, n=2), "h", 2)
     content = choices(result_line(chat, outputs, 40, "m", texts.get))[0]["logprobs"]["content"]
     assert content[1]["logprob"] == MIN_LOGPROB and content[1]["top_logprobs"][0]["logprob"] == MIN_LOGPROB

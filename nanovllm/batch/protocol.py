@@ -251,6 +251,7 @@ def _completion_logprobs(out: dict, k: int, token_text) -> dict:
         offset += len(tokens[-1])
     return {"tokens": tokens,
             "token_logprobs": [max(lps[t], MIN_LOGPROB) for t, lps in zip(out["token_ids"], out["logprobs"])],
-            "top_logprobs": [{token_text(t): max(lp, MIN_LOGPROB) for t, lp in _top(lps, k)}
+            # the sampled token's too, as OpenAI's: up to logprobs + 1 (chat's top_logprobs: k exactly)
+            "top_logprobs": [{token_text(t): max(lp, MIN_LOGPROB) for t, lp in _top(lps, k + 1)}
                              for lps in out["logprobs"]],
             "text_offset": offsets}
