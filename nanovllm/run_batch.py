@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None, llm=None) -> int:
     if args.chat_template is not None and os.path.isfile(args.chat_template):
         with open(args.chat_template) as f:
             args.chat_template = f.read()
+    elif args.chat_template is not None and not any(c in args.chat_template for c in "{}\n"):  # as vLLM
+        parser.error(f"--chat-template {args.chat_template!r} is neither a file nor a template")
     stdout_fd = None
     if args.output_file == "-":  # results own stdout; whatever else prints (a library, Ray) goes to stderr
         stdout_fd = os.dup(1)
