@@ -163,6 +163,7 @@ BAD_LINES = {  # code: [(line, what the message must name)]; each line's number 
         (request("temp", prompt="x", temperature=-1), "temperature=-1.0"),
         (request("typo", prompt="x", temprature=0), "temprature"),
         (request("bias", prompt="x", logit_bias={"5": 1}), "logit_bias"),
+        (request("echo", prompt="x", echo=True), "echo"),
         (request("n0", prompt="x", n=0), "n=0"),
         (request("n129", prompt="x", n=129), "n=129"),
         (request("maxtok", prompt="x", max_tokens="10"), "max_tokens='10'"),
@@ -218,9 +219,10 @@ def test_body_fields_as_openai_clients_write_them():
     parsed = parse_request(line, "a", 1)
     assert (parsed.max_tokens, parsed.n, parsed.sampling["logprobs"]) == (7, MAX_N, 20)
     assert "model" not in parsed.sampling and "user" not in parsed.sampling
-    assert parse_request(request("b", model="m", prompt="x", max_tokens=5), "b", 2).max_tokens == 5
-    parsed = parse_request(request("e", CHAT, messages=user("Hi"), logprobs=True, top_logprobs=2), "e", 5)
-    assert parsed.sampling["logprobs"] == 2
+    assert parse_request(request("b", model="m", prompt="x", max_tokens=5, logprobs=0), "b", 2).max_tokens == 5
+    parsed = parse_request(request("e", CHAT, messages=user("Hi"), logprobs=True, max_completion_tokens=None,
+                                   max_tokens=3, n=None), "e", 5)
+    assert (parsed.sampling["logprobs"], parsed.max_tokens, parsed.n) == (0, 3, 1)  # null: not given
     assert "logprobs" not in parse_request(request("f", CHAT, messages=user("Hi"), logprobs=False), "f", 6).sampling
     with pytest.raises(LineError, match=r"n=129 must be in \[1, 128\]"):
         parse_request(request("c", prompt="x", n=MAX_N + 1), "c", 3)
@@ -256,6 +258,7 @@ def test_result_line_usage_and_logprobs():
     chat = parse_request(request("h", CHAT, messages=user("x"), logprobs=True, top_logprobs=1, n=2), "h", 2)
     content = choices(result_line(chat, outputs, 40, "m", texts.get))[0]["logprobs"]["content"]
     assert content[1]["logprob"] == MIN_LOGPROB and content[1]["top_logprobs"][0]["logprob"] == MIN_LOGPROB
+    assert [e["token"] for e in content[0]["top_logprobs"]] == ["f"]  # the k likeliest only
     json.loads(json.dumps(line, allow_nan=False))  # plain JSON throughout
 
 
