@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None, llm=None) -> int:
     engine_args = {name: getattr(args, name) for name in engine_names if hasattr(args, name)}
     if args.input_file != "-" and not os.path.exists(args.input_file):  # a FIFO is fine
         parser.error(f"input file {args.input_file!r} does not exist")
+    if args.input_file != "-" and os.path.isdir(args.input_file):  # else exit 3, after loading the model
+        parser.error(f"input file {args.input_file!r} is a folder")
     if args.output_file != "-" and args.input_file != "-" and os.path.exists(args.output_file) \
             and os.path.samefile(args.input_file, args.output_file):
         parser.error("the output file is the input file: results are appended, so that would destroy it")

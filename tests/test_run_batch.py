@@ -566,7 +566,7 @@ def test_command_line_mistakes_exit_2(tiny_model, tmp_path, capsys):
     missing = str(tmp_path / "nope.jsonl")
     cases = [(inp, [flag, "0"], f"{flag}=0 must be >= 1")
              for flag in ("--max-in-flight", "--ray-start-timeout", "--data-parallel-size")]
-    cases += [(inp, ["--chat-template", missing], "neither a file nor a template")]  # a typo: no template
+    cases += [(inp, ["--chat-template", missing], "neither a file nor a template"), (str(tmp_path), [], "a folder")]
     for given, flags, message in cases + [(missing, [], f"input file {missing!r} does not exist")]:
         with pytest.raises(SystemExit) as exit_info:
             main(["-i", given, "-o", out, "--model", "m", *flags])
