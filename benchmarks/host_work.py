@@ -9,8 +9,7 @@ item 4), timed on CPU:
     the build of the sampling batch and the sampler, plain temperature rows vs penalized ones (the penalties
     must not cost a pass over every sequence's history at every step);
 (d) what a tensor-parallel decode step of 256 sequences (contexts 100..1024) costs the channel: rank 0 pickles
-    the step's arrays (`StepInputs`), a worker unpickles them (posting the `Sequence`s instead, before 2c5a163,
-    cost 10-30x as much).
+    the step's arrays (`StepInputs`), a worker unpickles them (posting the `Sequence`s cost 10-30x as much).
 
     python benchmarks/host_work.py [--blocks 4400 131072] [--repeat 50] [--tokens 2000] [--steps 5]
         [--num-seqs 256]
@@ -212,8 +211,7 @@ def main():
 
     tokenizer = AutoTokenizer.from_pretrained(default_checkpoint("tiny"))
     # what exists now leaves the collector's sight, as in an engine once it is set up (`ModelRunner`): else a full
-    # collection over transformers' and torch's objects lands in whichever row comes first (it made the first
-    # asyncio row 4-8x slower than the same row run again, session 45)
+    # collection over transformers' and torch's objects lands in whichever row comes first
     gc.collect()
     gc.freeze()
     print(f"\nsubmit handle, per token over {args.tokens} tokens (tiny tokenizer)")

@@ -255,8 +255,8 @@ _sm90_compiler = None  # the subprocess that compiles, started by the first call
 
 
 def compile_for_sm90(cases: list[tuple]):
-    """Compile Triton kernels for an H100/H200 (sm90) down to their cubins, with no GPU, in one subprocess for
-    the whole session (its start, mostly importing torch, nano-vllm and Triton, costs more than a compile):
+    """Compile Triton kernels for sm90 down to their cubins, with no GPU, in one subprocess for the whole
+    session (its start, importing torch, nano-vllm and Triton, costs more than a compile):
     Triton's interpreter, which runs the kernels in the CPU tests, never type-checks them as the compiler does (a
     variable redefined with another shape inside an `if` runs there and fails to compile on a GPU).
 

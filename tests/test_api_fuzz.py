@@ -104,8 +104,8 @@ class ApiMachine(RuleBasedStateMachine):
 
     def assert_same_tokens(self, prompt, params, got, want):
         """Equal, except that greedy decoding may part where two tokens tie to float32 rounding: a request batched
-        with others, or recomputed after a preemption, rounds its logits differently from one run alone (one such
-        case: logits 2.6865680 and 2.6865671), and from there the two outputs are different texts, both right."""
+        with others, or recomputed after a preemption, rounds its logits differently from one run alone, and from
+        there the two outputs are different texts, both right."""
         if got == want or params.temperature > 0:
             assert got == want
             return

@@ -211,8 +211,7 @@ def test_seeded_engines_sample_the_same_tokens(qwen3_small):
 def test_float32_engine_on_cuda_matches_hf(tiny_model, hf_model):
     """The tiny float32 checkpoint on CUDA: the Triton attention backend (flash-attn takes no float32), its split
     decode, CUDA graphs and overlap. Its 4,096 positions are fewer than the default token budget of 16,384: the
-    warm-up once ran one context of the budget's length, and the rope kernel read past its table (an illegal
-    address here, after the engines before it in this file)."""
+    warm-up must not run a context past the rope table (an illegal address)."""
     rng = random.Random(7)
     batch = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 300))] for _ in range(10)]
     with LLM(tiny_model, kvcache_block_size=16, max_model_len=1024) as llm:

@@ -53,7 +53,7 @@ def test_family_matches_hf_bf16(checkpoints, shape):
 
 
 def test_moe_cuda_graph_decode_equals_eager(checkpoints):
-    # 16 sequences finish together, so every decode batch is exactly a captured size: same kernels, same bits
+    # as test_gpu_engine's: every decode batch is a captured size
     batch = prompts(16, seed=2)
     path = checkpoints["qwen3-30b-a3b"]
     with LLM(path, enforce_eager=True, max_model_len=2048) as eager:

@@ -67,11 +67,9 @@ def test_fewer_kv_heads_than_ranks_match_hf(tmp_path, tp):
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_killed_worker_fails_waiting_calls_within_seconds(qwen3_small, tp):
-    """Rank 0 may wait in an NCCL collective (in a CUDA graph) for the dead peer: the engine's watch over its
-    workers fails the calls and aborts the collectives, then `close()` tears down and frees the GPU. NCCL's
-    abort may wait for the dead peer for good (seen on two H200s): then this process keeps the process group, so
-    a new TP engine waits for it, and needs a new process if it takes too long (it says so); a TP=1 engine runs
-    here in any case."""
+    """Rank 0 may wait in an NCCL collective (in a CUDA graph) for the dead peer: the watch fails the calls and
+    aborts the collectives, then `close()` frees the GPU. An abort that never returns keeps the process group
+    (`nanovllm.engine.workers`): a new TP engine waits for it, or says to use a new process; a TP=1 engine runs here."""
     batch = prompts(8, seed=8, lo=20, hi=100)
     llm = LLM(qwen3_small, tensor_parallel_size=tp, **ENGINE)
     expected = [o["token_ids"] for o in llm.generate(batch, greedy(16), use_tqdm=False)]

@@ -1,7 +1,7 @@
 """benchmarks/latency.py counts the kernels compiled while it is timed, to say whether a latency tail is a
 compile mid-serving. flash-attn-4 4.0.0b36 keeps its compiled kernels in a `JITCache` whose dict is `.cache` and
-which has no `len()`: counting it with len() raised, the error was swallowed, and the H200 runs of 2026-11-30
-printed "0 kernels compiled" beside a 4 s step."""
+which has no `len()`: counting it with len() raised, the error was swallowed, and it printed "0 kernels
+compiled" beside a 4 s step."""
 import gc
 import sys
 import time

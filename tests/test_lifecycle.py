@@ -651,7 +651,7 @@ def test_a_dead_loop_thread_fails_its_requests_and_names_why(monkeypatch, own_ll
 
 
 def test_what_an_engine_builds_is_frozen_out_of_garbage_collections_until_close(tiny_model):
-    """A collection stalled a decode step 364 ms on the H200; garbage from before is collected, not frozen."""
+    """A full collection can stall a step; garbage from before is collected, not frozen."""
     class Cycle:
         pass
     cycle = Cycle()

@@ -605,7 +605,7 @@ def test_decode_splits_only_below_their_programs_per_sm(itemsize):
 
 
 def test_fp8_decode_splits_fill_an_sm_of_its_programs():
-    """Over FP8 (sessions 30, 34 on an H200) a split batch aims at 6 programs an SM, over bf16 or float32 at 4."""
+    """Over FP8 a split batch aims at 6 programs an SM, over bf16 or float32 at 4."""
     splits = triton_attention.decode_splits
     assert splits(48, 8, SMS, 1) == 2
     assert splits(48, 8, SMS, 2) == 1

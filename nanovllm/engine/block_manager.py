@@ -42,8 +42,7 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         # a block is made when it is first handed out, in id order: the ones past the end of this list are fresh
-        # (nothing per block at start, where a small model's cache holds millions of blocks: making 16M of them
-        # took 42 s and 5 GB of host memory)
+        # (nothing per block at start, where a small model's cache holds millions of blocks)
         self.blocks: list[Block] = []
         self.hash_to_block_id: dict[int, int] = {}
         # freed blocks in eviction order: freed ones join at the back; fresh ones are taken before any of them

@@ -100,8 +100,8 @@ class ModelRunner:
         load_model(self.model, config.model, config.load_format)
         self.backend = get_backend(self._backend_name())
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        # the q/k norms, rope and the KV store in one kernel where the backend's store is Triton's (on an H200 decode
-        # steps 5% faster); NANOVLLM_FUSED_ROPE_STORE=0 turns it off, for comparison and debugging
+        # the q/k norms, rope and the KV store in one kernel where the backend's store is Triton's (decode steps 5%
+        # faster); NANOVLLM_FUSED_ROPE_STORE=0 turns it off, for comparison and debugging
         fuse = self.backend.fuses_rope_store and os.environ.get("NANOVLLM_FUSED_ROPE_STORE", "1") != "0"
         for layer in self.attn_layers:
             layer.backend, layer.fuse_rope_store = self.backend, fuse
@@ -134,8 +134,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_model_len, self.block_size,
                                        self.device, self.sampler.rng_state if sample_in_graph else None, bounds)
         # prefills and mixed steps replay the model's pieces, attention runs eagerly between them, so any backend
-        # will do (on an H200 this cut latency.py's ITL p99 from 74 to 16 ms); NANOVLLM_PIECEWISE_GRAPHS=0 turns
-        # them off
+        # will do (a far lower ITL p99); NANOVLLM_PIECEWISE_GRAPHS=0 turns them off
         if (config.device == "cuda" and not config.enforce_eager
                 and os.environ.get("NANOVLLM_PIECEWISE_GRAPHS", "1") != "0"):
             self.piecewise = PiecewiseGraphs(self.model, min(MAX_TOKENS, config.max_num_batched_tokens),
@@ -168,8 +167,8 @@ class ModelRunner:
         return name
 
     def compile_small_ops(self):
-        """Fuse the elementwise layers (CUDA only): silu(gate) * up into one Triton kernel (`triton_activation`:
-        torch.compile's took 3x its bytes' time), the others with torch.compile, as nano-vllm does.
+        """Fuse the elementwise layers (CUDA only): silu(gate) * up into one Triton kernel (`triton_activation`
+        says why), the others with torch.compile, as nano-vllm does.
         NANOVLLM_TRITON_SILU=0 compiles silu too, for comparison."""
         triton_silu = triton_available() and os.environ.get("NANOVLLM_TRITON_SILU", "1") != "0"
         for module in self.model.modules():
@@ -186,8 +185,8 @@ class ModelRunner:
             self.channel = None
         if self.device.type == "cuda" and not workers_alive:
             # a worker is gone: the watch's abort lets NCCL's kernels that waited for it exit, but the abort
-            # itself may never return (on two H200s it still waited for the dead peer 30 s later, while the device
-            # was already idle), so the process group stays and the device is freed only if it answers in time
+            # itself may never return (seen still waiting for the dead peer after 30 s, the device idle), so the
+            # process group stays and the device is freed only if it answers in time
             freed = threading.Thread(target=self._free_device, daemon=True, name="nanovllm-free-device")
             freed.start()
             freed.join(DEVICE_FREE_TIMEOUT)
@@ -203,7 +202,7 @@ class ModelRunner:
 
     def _free_device(self):
         # the graphs go first: NCCL does not destroy a communicator while a graph that captured its collectives
-        # lives (destroy_process_group then hangs: pytorch issue 115388; seen on two H200s at bench.py's exit)
+        # lives (destroy_process_group then hangs: pytorch issue 115388)
         for graphs in (self.graphs, self.piecewise, self.varlen_graphs):
             if graphs is not None:
                 graphs.release()
@@ -330,7 +329,7 @@ class ModelRunner:
     def run(self, seqs: list[Sequence]) -> StepOutput | None:
         """Launch the computation of the scheduled tokens of `seqs`; returns the step's samples, one per sampling
         sequence, without waiting for them. The workers get the step's inputs, a few arrays, not the sequences
-        (pickling 256 `Sequence`s cost rank 0 about 0.3 ms a step on two H200s)."""
+        (far cheaper to pickle: benchmarks/host_work.py)."""
         inputs = step_inputs(seqs, self.block_size)
         sampling = [seq for seq in seqs if seq.samples_this_step]
         if self.channel is None:

@@ -1,19 +1,18 @@
 """Whole CUDA graphs for small prefills, chunks and mixed steps, where attention is Triton's varlen kernel.
 
 Piecewise graphs (`piecewise_graphs.py`) run attention eagerly between the pieces, so such a step costs the host 28
-attention launches and 29 graph launches (on an H200, 5.4 ms for 8 decodes beside a 16-token prompt, whose GPU work is
-about 2 ms). Here the whole forward of a step of up to `size` tokens and `max_seqs` sequences is one graph per token
-count of `graph_sizes`, replayed over static buffers that one host-to-device copy fills, like the decode graphs'; the
-LM head and the sampler run after it, eagerly, on the rows that sample. The varlen kernel's grid, which follows the
-step's shape, is fixed here: its programs take the rows of a tile map instead, each a (sequence, tile of its queries)
-or a (decode, split of its keys), and the rows past the step's return at once (`triton_attention.varlen_tile_map`); a
-second kernel merges the decodes' splits.
+attention launches and 29 graph launches (longer than its GPU work). Here the whole forward of a step of up to `size`
+tokens and `max_seqs` sequences is one graph per token count of `graph_sizes`, replayed over static buffers that one
+host-to-device copy fills, like the decode graphs'; the LM head and the sampler run after it, eagerly, on the rows
+that sample. The varlen kernel's grid, which follows the step's shape, is fixed here: its programs take the rows of a
+tile map instead, each a (sequence, tile of its queries) or a (decode, split of its keys), and the rows past the
+step's return at once (`triton_attention.varlen_tile_map`); a second kernel merges the decodes' splits.
 
 A step takes the smallest size >= its token count. Its padding tokens (id 0, position 0, slot -1) flow through
 the rows of the linear layers, which are independent, and store nothing; no tile reads them. Padding sequences
 have no tile. A step of more than `max_seqs` sequences, or one that the eager path splits (many leading decodes
 beside a prompt, for the decode kernel), takes the piecewise graphs. (The decode kernel inside these graphs, on
-rows padded to `max_seqs`, made steps of 512-1,024 prompt tokens beside 8 decodes 0.5 ms slower on an H200.)
+rows padded to `max_seqs`, made steps of many prompt tokens beside a few decodes slower.)
 """
 import numpy as np
 import torch
@@ -45,8 +44,7 @@ class VarlenGraphs:
     def __init__(self, model, max_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device, tokens: torch.Tensor | None = None, capture=None):
         """tokens: where the last step's samples are found on the device (the decode graphs' buffer, so that a
-        step after a decode graph copies nothing), None: a buffer of its own. capture(fn): an object whose
-        `replay()` does what `fn()` did and `reset()` frees it; None: a CUDA graph, all in one pool."""
+        step after a decode graph copies nothing), None: a buffer of its own. capture: as `PiecewiseGraphs`'."""
         self.model = model
         decoder = model.model
         attn = decoder.layers[0].self_attn.attn

@@ -33,7 +33,7 @@ from nanovllm.engine.tp_channel import channel_semaphores, unlink_channel
 
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for a running step before it tears the workers down
 # held while a dead worker's engine fails its calls and aborts its collectives (NCCL's may wait over 30 s for the
-# dead peer on two H200s): a new engine's process group must not start before the old one is gone
+# dead peer): a new engine's process group must not start before the old one is gone
 COLLECTIVES_ABORT = threading.Lock()
 ABORT_WAIT = 60.0  # seconds a new tensor-parallel engine waits for that abort before it gives up
 RANK_0_EXIT_WAIT = 1.0  # seconds a failed worker waits to learn whether rank 0 is dying

@@ -193,10 +193,10 @@ def resolve_backend_name(name: str, device: str, dtype: torch.dtype, block_size:
                          kv_cache_dtype: torch.dtype) -> tuple[str, str | None]:
     """The backend to build for `attention_backend=name`, and why "auto" fell back to a slow one (or None).
 
-    "auto" on CUDA: flash-attn-4 for prefill and mixed steps with the Triton decode kernel on the GPUs where
-    benchmarks/decode_attention.py measured it faster than flash-attn-4's decode ("triton-decode"), flash-attn
-    alone elsewhere; "triton" when the cache is FP8 (flash-attn cannot read it), the dtype is float32, or
-    flash-attn does not import; torch when Triton does not work either. Any other device: torch."""
+    "auto" on CUDA: "triton-decode" (flash-attn-4 and the Triton decode kernel: `nanovllm.layers.flash_attention`)
+    where that kernel measured faster, flash-attn alone elsewhere; "triton" when the cache is FP8 (flash-attn
+    cannot read it), the dtype is float32, or flash-attn does not import; torch when Triton does not work either.
+    Any other device: torch."""
     if name not in ("auto", *BACKEND_NAMES):
         raise ValueError(f"attention_backend={name!r} is unknown; valid ones are {['auto', *BACKEND_NAMES]}")
     if name not in ("auto", "torch") and device != "cuda":

@@ -10,12 +10,12 @@ Two kernel families, picked once when the backend is built:
 - "fa2": the flash-attn 2 API (`flash_attn_varlen_func` with `block_table`, `flash_attn_with_kvcache` for
   batches of single-token queries). Its paged KV needs a block size that is a multiple of 256.
 
-With `triton_decode=True` (attention_backend="triton-decode"), decode-only steps go to the Triton split-KV
-kernel (`nanovllm.layers.triton_attention`) instead, on the GPUs where it measured faster, and so do prefill and
-mixed steps of at most `triton_varlen_tokens` tokens besides their leading decodes (the Triton varlen kernel, with
+With `triton_decode=True` (attention_backend="triton-decode"), decode-only steps go to the Triton split-KV kernel
+(`nanovllm.layers.triton_attention`) instead, on the GPUs where it measured faster, and so do prefill and mixed
+steps of at most `triton_varlen_tokens` tokens besides their leading decodes (the Triton varlen kernel, with
 `split_decodes`): flash-attn-4 spends far more host time per call than its kernel takes on a small step, and a
-piecewise-graph step calls attention once per layer. Larger steps
-keep flash-attn. Neither family reads an FP8 cache.
+piecewise-graph step calls attention once per layer. Larger steps keep flash-attn. Neither family reads an FP8
+cache.
 
 The kernels only read the block-table entries of blocks below `ceil(context_len / block_size)`, so the -1
 padding is passed as it is. FA4 reads whole pages when a page is exactly one key tile (block size 128 on
@@ -35,8 +35,8 @@ from nanovllm.layers.triton_guard import num_sms
 FA2_BLOCK_MULTIPLE = 256
 MAX_HEAD_DIM = 256
 # GPUs (compute capability) where benchmarks/decode_attention.py measured the Triton decode kernel faster than
-# flash-attn-4's: H200 (sm90), 2026-11-29: 1.03-7.2x at 61 of its 72 shapes, even (0.99-1.01x) at 5 long ones,
-# 2-3 us slower at the 6 launch-bound ones (1 or 8 sequences of 128 tokens). A captured graph is per batch size,
+# flash-attn-4's: H200 (sm90): faster at 61 of its 72 shapes, even at 5 long ones, 2-3 us slower at the 6
+# launch-bound ones (1 or 8 sequences of 128 tokens). A captured graph is per batch size,
 # and the contexts it will see are unknown, so the choice is per GPU: Triton for every decode step.
 TRITON_DECODE_FASTER_ON = {(9, 0)}
 # Prefill and mixed steps of at most this many tokens go to the Triton varlen kernel with triton_decode (0: none);

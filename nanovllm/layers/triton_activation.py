@@ -2,9 +2,8 @@
 
 x: [..., 2 * n], rows contiguous in their last dim ([gate | up], the merged projection's output); the result
 [..., n] in x's dtype, computed in float32 and rounded once, as torch.compile's fused kernel does, which takes a
-flat index an element: 13.0 us a layer at 1,024 tokens of Qwen3-0.6B on an H200, this one (a tile of rows x
-columns a program) 4.9, the bytes 4.4. Triton is imported under a guard, as
-in `triton_kvstore`.
+flat index an element and took 3x its bytes' time; this one (a tile of rows x columns a program) is near them.
+Triton is imported under a guard, as in `triton_kvstore`.
 """
 import torch
 

@@ -1,9 +1,8 @@
 """Paged attention in Triton: a split-KV decode kernel, the varlen (prefill and mixed) path, and their backend.
 
-Contract (see `nanovllm.layers.attention`): the caches are `[num_blocks, block_size, num_kv_heads, head_dim]`,
-contiguous, in the model's dtype or FP8 (`float8_e4m3fn`, read as `value * scale`); block tables are int32 rows
-padded with anything (only entries below `ceil(context_len / block_size)` are read); any block size that is a
-multiple of 16, any head_dim up to 256, any number of query heads per KV head.
+Contract: `nanovllm.layers.attention`'s, the caches contiguous; block tables are int32 rows padded with anything
+(only entries below `ceil(context_len / block_size)` are read); any block size that is a multiple of 16, any
+head_dim up to 256, any number of query heads per KV head.
 
 One kernel serves every step. A program takes one KV head of one sequence and the query heads that share it
 (GQA packing: each KV byte is read once per sequence, and the query rows are padded to 16 for `tl.dot`), a tile
@@ -41,10 +40,10 @@ from nanovllm.layers.triton_guard import tl, triton, triton_available
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
-# The choices below were measured on an H200 (each with its figures: `git show 06056d3:nanovllm/layers/
-# triton_attention.py`, lines 43-97, and benchmarks/decode_attention_notes.md). Split decode when batch x kv_heads
-# programs are fewer than this many an SM, by the cache's bytes an element (FP8's SM holds 6 programs where bf16's
-# holds 4; bf16's 32 sequences of 8 KV heads ran faster unsplit, 24 split: session 51)
+# The choices below were measured on an H200 (figures: `git show 06056d3:nanovllm/layers/triton_attention.py` and
+# benchmarks/decode_attention_notes.md). Split decode when batch x kv_heads programs are fewer than this many an
+# SM, by the cache's bytes an element (FP8's SM holds 6 programs where bf16's holds 4; bf16's 32 sequences of 8 KV
+# heads ran faster unsplit, 24 split)
 SPLIT_BELOW_PROGRAMS_PER_SM = {2: 1.8, 1: 3}
 # and then make about this many, 2 splits at least (more loses to the tail); over FP8 6, an SM's worth of its
 # programs (steps of 8-32 sequences faster, 4 slower; bf16's lost with 6)
@@ -59,8 +58,8 @@ FP8_DEEP_PROGRAMS_PER_SM = 10
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in its start than it saves
 # where the host bounds a batch's contexts (`decode_splits`' max_context), no more splits than the power of two >=
 # bound / MIN_SPLIT_TOKENS, when that is at most this many: no program of an empty split starts, and contexts of up
-# to MIN_SPLIT_TOKENS need no merge (8 x 128: 12.9 -> 8.3 us; past 16 it lost: decode notes, run 17).
-# NANOVLLM_SHORT_CONTEXT_SPLITS=0 turns it off, for comparison
+# to MIN_SPLIT_TOKENS need no merge (past 16 it lost: decode notes, run 17). NANOVLLM_SHORT_CONTEXT_SPLITS=0
+# turns it off, for comparison
 SHORT_CONTEXT_SPLITS = int(os.environ.get("NANOVLLM_SHORT_CONTEXT_SPLITS", 16))
 # and this one where the merge takes the splits as a tile across its threads (more than PER_THREAD_SPLITS of them:
 # batch 1-2 on an H200), which weighs 16 filled splits as fast as 8. NANOVLLM_MIN_SPLIT_TILE overrides it
@@ -73,16 +72,16 @@ PER_THREAD_SPLITS = 32
 # bandwidth for the previous kernel. NANOVLLM_KV_PREFETCH overrides it
 KV_PREFETCH_TILES = int(os.environ.get("NANOVLLM_KV_PREFETCH", 2))
 # varlen: query rows (tokens x heads of one KV head) a program, keys an iteration (halved past head_dim 128), warps and
-# pipeline stages (3: two tiles in flight, as the carried block id allows), the fastest of sessions 33 and 51's
-# sweeps (benchmarks/HISTORY.md). NANOVLLM_VARLEN_TILE="rows,keys,warps,stages" overrides them, for comparison
+# pipeline stages (3: two tiles in flight, as the carried block id allows), the fastest in sweeps
+# (benchmarks/HISTORY.md). NANOVLLM_VARLEN_TILE="rows,keys,warps,stages" overrides them, for comparison
 QUERY_ROWS, VARLEN_KV_TILE, VARLEN_WARPS, VARLEN_STAGES = map(int, os.environ.get("NANOVLLM_VARLEN_TILE",
                                                                                    "64,64,4,3").split(","))
 # a varlen step of up to VARLEN_SPLIT_TOKENS tokens in a CUDA graph (`varlen_graphs.py`) splits the keys of each
 # decode among its first VARLEN_SPLIT_SEQS sequences into this many chunks (of MIN_SPLIT_TOKENS at least), merged
 # by a second kernel: unsplit, a decode of ~600 keys is one program's chain of ten tiles, the longest of the step.
 # The grid has room for every split of every sequence that may take them, and a program of an empty row still
-# costs its start. 2,048 covers every graph (piecewise_graphs.MAX_TOKENS): mixed steps' device work split in all
-# graphs, not only those of up to 384 tokens, was 0.99-1.06x prefill-first's, not 1.07-1.12x (session 52).
+# costs its start. 2,048 covers every graph (piecewise_graphs.MAX_TOKENS): split in all graphs, not only up to
+# 384 tokens, mixed steps' device work matched prefill-first's.
 # NANOVLLM_VARLEN_SPLITS and NANOVLLM_VARLEN_SPLIT_TOKENS override them (splits 1: unsplit)
 VARLEN_DECODE_SPLITS = int(os.environ.get("NANOVLLM_VARLEN_SPLITS", 4))
 VARLEN_SPLIT_SEQS = 16
@@ -346,14 +345,14 @@ def decode_tile(head_dim: int, kv_itemsize: int, split: bool = False, block_size
                 v_chunk: int = 0, one_wave: bool = False, programs_per_sm: float = 0.0,
                 max_context: int = 0) -> tuple[int, int, int]:
     """(keys per iteration, warps, pipeline stages) of the decode kernel, tuned on an H200 at head_dim 128: 16 KB
-    of keys an iteration, 4 warps. Over FP8 64 keys and 2 warps (8-30% faster than 128 keys and 4 warps at each of 7
-    shapes, when its values were laid out as its keys); with chunked values (`value_chunk`) an unsplit batch takes
-    128 keys and 4 warps where a block holds whole tiles of them, a split one still 64 and 2 (decode notes, run 11).
+    of keys an iteration, 4 warps. Over FP8 64 keys and 2 warps (8-30% faster than 128 keys and 4 warps, with
+    values laid out as keys); with chunked values (`value_chunk`) an unsplit batch takes 128 keys and 4 warps where
+    a block holds whole tiles of them, a split one still 64 and 2 (decode notes, run 11).
     `one_wave` (ONE_WAVE_PROGRAMS_PER_SM): over a 16-bit cache 128 keys an iteration (run 12).
     Two tiles in flight (3 stages where a block holds whole tiles: the kernel carries their block ids) pay for an
     unsplit batch past one wave (over FP8 from FP8_DEEP_PROGRAMS_PER_SM programs an SM on, 64-key tiles on 2 warps);
     elsewhere one (2 stages; run 13), and where the host bounds the contexts (`max_context`, 0: no bound) to at most
-    two tiles, which fill no third buffer (session 52: 3-7% faster at 128 keys).
+    two tiles, which fill no third buffer (3-7% faster at 128 keys).
     Where tiles cross blocks, one tile is in flight whatever the stages (3)."""
     deep = not split and not one_wave
     if kv_itemsize == 1:
@@ -401,10 +400,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      order: torch.Tensor | None = None, max_context: int = 0) -> torch.Tensor:
     """One query token per sequence: q [batch, num_heads, head_dim] -> out [batch, num_heads, head_dim] (written
     into `out` when given). `order`: [batch] int32, a permutation of the rows, the order in which their programs
-    go out (longest context first: on bench.py's ragged contexts, 100 to 2,048 tokens, the H200 read the cache
-    9-17% faster at 96-256 sequences than in batch order; None: batch order). `max_context`: a bound on the
-    contexts, which fewer splits then serve (`decode_splits`; 0: none). The other keyword-only arguments override
-    the tuned choices (benchmarks and tests)."""
+    go out (longest context first: on bench.py's ragged contexts 9-17% faster than batch order; None: batch
+    order). `max_context`: a bound on the contexts, which fewer splits then serve (`decode_splits`; 0: none). The
+    other keyword-only arguments override the tuned choices (benchmarks and tests)."""
     require_triton("the Triton attention kernels")
     batch, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape

@@ -14,10 +14,10 @@ Contract, the same draws in law as `Sampler.forward`'s torch path:
   needs no host value at replay.
 
 A program loops over its part of a row's vocabulary in tiles; each lane of a tile keeps its own winner, and the
-lanes meet once, at the end of the part (at 256 rows on an H200: 201 us with a reduction after every tile, 77 us
-so). A few rows would leave most of the GPU idle as one program each, so the vocabulary is cut into parts of whole
-groups of four tiles until the rows' programs fill the SMs twice, and a second kernel picks each row's winner among
-its parts' (the first of equal scores, so the draws are the same as one program's). The grid is fixed per row
+lanes meet once, at the end of the part (a reduction after every tile took 2.6x as long). A few rows would leave
+most of the GPU idle as one program each, so the vocabulary is cut into parts of whole groups of four tiles until
+the rows' programs fill the SMs twice, and a second kernel picks each row's winner among its parts' (the first of
+equal scores, so the draws are the same as one program's). The grid is fixed per row
 count: a CUDA graph can capture it. (`read_pending`: a captured step's input ids, from the samples of the step before.)
 """
 import torch

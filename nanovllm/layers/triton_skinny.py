@@ -9,8 +9,7 @@ optional:
 - rope: w is a qkv projection, and what `triton_rope_store` does after it (q/k norms, rope, the KV store) is
   done here: a program takes the two halves of one head, and the last of its parts finishes the head.
 So a dense layer's projections and what surrounds them are four launches (norm + qkv + rope + store, o_proj +
-residual, norm + gate/up + silu, down + residual) where they were eight (add + norm, qkv, rope + store, o_proj,
-add + norm, gate/up, silu, down).
+residual, norm + gate/up + silu, down + residual), not eight.
 
 Each program reads one block of w, BLOCK_N rows by BLOCK_K columns (and the matching up rows, or the head's
 other half), against the rows of x padded to 16 for `tl.dot`. When K is longer than BLOCK_K, its parts write
@@ -223,8 +222,7 @@ if triton is not None:
 
 _counters: dict[torch.device, torch.Tensor] = {}
 # up to this many rows a program of a normed product in parts loads its rows whole for their sums of squares; past
-# them each part sums its own columns' squares and the last part applies rstd (faster at 32 rows, slower at 4:
-# session 31)
+# them each part sums its own columns' squares and the last part applies rstd (faster at 32 rows, slower at 4)
 WHOLE_ROWS_NORM_UP_TO = 16
 
 
@@ -235,9 +233,9 @@ def norm_parts(parts: int, block_m: int, normed: bool = True) -> int:
 
 
 def plan(block_m: int, k: int, gated: bool, head_dim: int = 0) -> tuple[int, int, int]:
-    """(block_n, block_k, num_warps), the fastest tiles of `skinny_gemm.py --sweep` (in git at 34b7da6) on an H200 in
-    Qwen3-0.6B's shapes at 16 and 32 rows; down (K above 2048) at up to 16 rows: twice the programs of half the
-    weights (batch 1's decode step 0.86 -> 0.81 ms). With rope (head_dim), a program takes one head and 32K weights."""
+    """(block_n, block_k, num_warps), the fastest tiles of `skinny_gemm.py --sweep` (in git at 34b7da6) on an H200
+    in Qwen3-0.6B's shapes at 16 and 32 rows; down (K above 2048) at up to 16 rows: twice the programs of half the
+    weights (a faster batch-1 decode step). With rope (head_dim), a program takes one head and 32K weights."""
     if head_dim:
         return head_dim // 2, min(32768 // head_dim, triton.next_power_of_2(k)), 8
     if gated:

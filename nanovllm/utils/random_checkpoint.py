@@ -35,14 +35,12 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-# Random-weight scales. With the customary std 0.02 everywhere, a small random Qwen3 is a pure
-# "repeat the input token" model: the tied embedding dominates the residual stream, the argmax is
-# the current token ~100% of the time and the context is ignored, so an engine test comparing
-# outputs would pass even with broken attention / KV cache. Instead linear weights get std
-# LINEAR_GAIN / sqrt(fan_in) (about 0.02-0.06 at 0.6B scale), so every layer moves the residual
-# stream and greedy outputs depend on the whole context; the embedding / LM head gets
-# std 1 / sqrt(hidden_size), giving logits of std ~1 with well separated top-1 / top-2 values.
-# QK-norm keeps attention scores O(1) whatever the scale, norms are 1 + noise so they matter.
+# Random-weight scales. With std 0.02 everywhere, a small random Qwen3 repeats its input token, whatever the
+# context (the tied embedding dominates the residual stream), so a test comparing outputs would pass with broken
+# attention or KV cache. Instead linear weights get std LINEAR_GAIN / sqrt(fan_in) (about 0.02-0.06 at 0.6B), so
+# every layer moves the residual stream and greedy outputs depend on the whole context; the embedding / LM head
+# gets std 1 / sqrt(hidden_size): logits of std ~1, top-1 / top-2 well apart. QK-norm keeps attention scores O(1)
+# whatever the scale; norms are 1 + noise so they matter.
 LINEAR_GAIN, BIAS_STD, NORM_STD = 2.0, 0.02, 0.1
 
 _CORPUS = """\
