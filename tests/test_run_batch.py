@@ -10,6 +10,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.batch.executor import BatchExecutor
+from nanovllm.batch.intake import intake
 from nanovllm.batch.protocol import MAX_N, MIN_LOGPROB, LineError, parse_request, result_line
 from nanovllm.batch.results import ResultsFile
 from nanovllm.config import Config
@@ -518,10 +519,12 @@ def test_token_text_keeps_special_tokens(llm):
 
 
 def test_count_lines(tmp_path):
-    # the progress bar's total
-    for data, lines in ((b"", 0), (b"a\n", 1), (b"a\nb", 2), (b"a\nb\n", 2)):
+    # the progress bar's total: the lines intake reads as requests, blank ones not among them
+    for data, lines in ((b"", 0), (b"a\n", 1), (b"a\nb", 2), (b"a\nb\n", 2), (b"\n \r\n\ta\n\n\nb\n \t\n", 2)):
         (tmp_path / "f").write_bytes(data)
         assert count_lines(str(tmp_path / "f")) == lines, data
+        with open(tmp_path / "f", "rb") as f:
+            assert len(list(intake(f, {}))) == lines, data
     assert count_lines("-") is None
 
 
