@@ -169,6 +169,10 @@ BAD_LINES = {  # code: [(line, what the message must name)]; each line's number 
         (request("n129", prompt="x", n=129), "n=129"),
         (request("maxtok", prompt="x", max_tokens="10"), "max_tokens='10'"),
         (request("maxtok0", prompt="x", max_tokens=0), "max_tokens=0"),  # not "unbounded"
+        # each field is checked, by its own name, though max_completion_tokens wins
+        (request("maxtok-both", CHAT, messages=user("x"), max_tokens=-1, max_completion_tokens=5), "max_tokens=-1"),
+        (request("maxcomp0", CHAT, messages=user("x"), max_tokens=5, max_completion_tokens=0),
+         "max_completion_tokens=0"),
         (request("stream", prompt="x", stream=True), "stream"),
         (request("stream-str", prompt="x", stream="false"), "stream"),  # only false is false
         (request("empty", prompt=""), "empty"),

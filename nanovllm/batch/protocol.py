@@ -111,9 +111,10 @@ def _parse_body(url: str, body: dict, custom_id: str, line: int) -> BatchRequest
     if get("stream", False) is not False:
         raise ValueError("stream must be false: a batch writes whole results")
     n = _int(get("n", 1), "n", 1, MAX_N)
-    max_tokens = get("max_completion_tokens", get("max_tokens")) if url == CHAT_URL else get("max_tokens")
-    if max_tokens is not None:
-        max_tokens = _int(max_tokens, "max_tokens", 1)
+    # both are checked, each by its own name (an ignored max_tokens may still be a mistake); chat's newer one wins
+    max_tokens = None if get("max_tokens") is None else _int(get("max_tokens"), "max_tokens", 1)
+    if get("max_completion_tokens") is not None:
+        max_tokens = _int(get("max_completion_tokens"), "max_completion_tokens", 1)
     sampling = {name: body[name] for name in (*_NUMBERS, *_PASSED) if get(name) is not None}
     messages, prompts, template_kwargs = None, [], None
     if url == CHAT_URL:
