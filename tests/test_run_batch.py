@@ -154,6 +154,7 @@ BAD_LINES = {  # code: [(line, what the message must name)]; each line's number 
     "invalid_request": [
         ('[1, 2]', "not an object"),
         ({**request("get", prompt="x"), "method": "GET"}, "'GET'"),
+        ({k: v for k, v in request("no-method", prompt="x").items() if k != "method"}, "not None"),
         ({**request("extra", prompt="x"), "priority": 1}, "priority"),
         ({**request("body", prompt="x"), "body": "prompt"}, "body must be")],
     "missing_custom_id": [({"method": "POST", "url": COMPLETIONS, "body": {"prompt": "x"}}, "no custom_id")],
