@@ -11,8 +11,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Triton kernels then run on CPU tensors through Triton's interpreter; it must be on before any kernel is
-    # defined, so here, ahead of every import of nanovllm's Triton modules
+    # Triton's interpreter runs the kernels on CPU; it must be on before any kernel is defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nanovllm.utils.random_checkpoint import make_random_checkpoint  # noqa: E402
@@ -35,10 +34,9 @@ _ray_stop = []  # how to stop the session's Ray cluster, while it runs
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray cluster of 2 CPUs, one for the session (starting one takes seconds), stopped after the last test
-    that uses it (pytest_runtest_teardown): an idle cluster's processes take CPU from the tests after it."""
+    """A local 2-CPU Ray cluster for the session, stopped after the last test using it: idle, it takes CPU."""
     import ray
-    # Ray's workers are new processes: they must import this checkout, wherever nano-vllm is installed
+    # Ray's worker processes must import this checkout
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved]))
 
@@ -91,8 +89,7 @@ class OnCuda:
 
 
 def free_order(bm) -> list[int]:
-    """A BlockManager's free blocks in the order it hands them out: the fresh ones (never handed out, not made
-    yet) by id, then the freed ones."""
+    """A BlockManager's free blocks in the order it hands them out: the fresh (not yet made) by id, then the freed."""
     return [*range(len(bm.blocks), bm.num_blocks), *bm.free_block_ids]
 
 
@@ -143,8 +140,7 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
 
 
 def within(seconds: float, fn, *args, **kwargs):
-    """fn(*args, **kwargs) on a thread: its result or its exception, or a failure (not a hang) if it is still
-    blocked after `seconds`."""
+    """fn(*args, **kwargs) on a thread: its result or exception, or a failure if still blocked after `seconds`."""
     thread, outcome = in_background(fn, *args, **kwargs)
     thread.join(seconds)
     assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {seconds} s"
@@ -155,9 +151,8 @@ def within(seconds: float, fn, *args, **kwargs):
 
 def full_rebuild_penalties(logits: torch.Tensor, histories: list[tuple[list[int], list[int]]], params: list
                            ) -> torch.Tensor:
-    """Repetition, frequency and presence penalties as the engine applied them before it kept their state on
-    the device: [rows, vocab] masks rebuilt from each row's (prompt, output) tokens. The incremental state must
-    give the same logits bit for bit."""
+    """Repetition, frequency and presence penalties from [rows, vocab] masks rebuilt from each row's (prompt,
+    output) tokens: the engine's incremental device state must give the same logits bit for bit."""
     seen = torch.zeros(logits.shape, dtype=torch.bool)
     counts = torch.zeros(logits.shape)
     for row, (prompt, output) in enumerate(histories):
@@ -174,8 +169,8 @@ def full_rebuild_penalties(logits: torch.Tensor, histories: list[tuple[list[int]
 
 
 def kill_worker_while_decoding(llm, prompts, params, settle: float = 0.2) -> tuple[threading.Thread, dict, float]:
-    """`llm.generate(prompts, params)` in the background; once every prompt runs and `settle` s of decoding went
-    by, the last tensor-parallel worker is killed. Returns the generate thread, its outcome, and when the kill was."""
+    """`llm.generate(prompts, params)` in the background, the last tensor-parallel worker killed `settle` s after
+    every prompt runs: the generate thread, its outcome and the kill's time."""
     thread, outcome = in_background(llm.generate, prompts, params, use_tqdm=False)
     deadline = time.monotonic() + 60
     while llm.stats()["num_running"] < len(prompts) and time.monotonic() < deadline:
@@ -186,8 +181,7 @@ def kill_worker_while_decoding(llm, prompts, params, settle: float = 0.2) -> tup
 
 
 def kill_the_worker_as_rank_0_sizes_its_cache(monkeypatch):
-    """The next engine's one tensor-parallel worker dies after the rendezvous, while rank 0 is starting (sizing
-    its KV cache, and then in a collective). Only rank 0 runs this: the workers are spawned processes."""
+    """The next engine's one worker dies after the rendezvous, as rank 0 sizes its KV cache (run by rank 0 only)."""
     from nanovllm.engine.model_runner import ModelRunner
     allocate, before = ModelRunner.allocate_kv_cache, set(multiprocessing.active_children())
 
@@ -200,14 +194,12 @@ def kill_the_worker_as_rank_0_sizes_its_cache(monkeypatch):
 
 
 def shm_segments(pid: int | None = None) -> list[str]:
-    """The shared-memory segments of the engines that process `pid` (this one by default) made and has not
-    removed (named per rank-0 process, so that tests running beside it do not count)."""
+    """The shared-memory segments that the engines of process `pid` (default: this one) made and did not remove."""
     return [name for name in os.listdir("/dev/shm") if name.startswith(f"nanovllm-{pid or os.getpid()}-")]
 
 
 def in_processes(target, *args, copies: int = 2) -> list:
-    """`target(*args, queue)` in `copies` spawned processes at once; what each put on its queue (in the order
-    they finished). Each must exit cleanly."""
+    """`target(*args, queue)` in `copies` spawned processes at once: what each put on its queue; each exits 0."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args, queue)) for _ in range(copies)]
@@ -255,17 +247,13 @@ _sm90_compiler = None  # the subprocess that compiles, started by the first call
 
 
 def compile_for_sm90(cases: list[tuple]):
-    """Compile Triton kernels for sm90 down to their cubins, with no GPU, in one subprocess for the whole
-    session (its start, importing torch, nano-vllm and Triton, costs more than a compile):
-    Triton's interpreter, which runs the kernels in the CPU tests, never type-checks them as the compiler does (a
-    variable redefined with another shape inside an `if` runs there and fails to compile on a GPU).
+    """Compile Triton kernels for sm90 to cubins with no GPU, in one subprocess kept for the session (starting it
+    costs more than a compile): the interpreter of the CPU tests never type-checks as the compiler does.
 
-    A case is (module, kernel, signature, constexprs), optionally followed by the launch options its wrapper
-    passes (num_warps, num_stages). The signature types each runtime argument as Triton specializes it at a
-    launch: "*bf16" for a bf16 tensor, "i32" for a Python int in int32's range ("i64" beyond), "fp32" for a
-    float; an int argument equal to 1 is specialized to a constexpr, so it goes in constexprs (whose values may be
-    Triton dtypes: the cases go to the subprocess pickled). Fails with the compiler's error of every case that
-    does not compile."""
+    A case is (module, kernel, signature, constexprs), optionally followed by its wrapper's launch options
+    (num_warps, num_stages). The signature types each runtime argument as a launch specializes it: "*bf16", "i32"
+    for an int in int32's range ("i64" beyond), "fp32"; an int equal to 1 becomes a constexpr, so it goes in
+    constexprs (values may be Triton dtypes: cases are pickled). Fails with the error of each case that fails."""
     import atexit
     import pickle
     import select

@@ -1,7 +1,6 @@
-"""The public API under random interleavings: submits consumed fast, slowly or abandoned, aborts, generate
-from two threads at once, under random block sizes, token budgets and caches small enough to preempt.
-Every call ends in time, every handle finishes exactly once, the cache is whole again when idle, and greedy
-or seeded outputs equal those of the same request run alone (greedy ones up to a tie of float32 rounding)."""
+"""The public API under random interleavings (submits read fast, slowly or abandoned, aborts, generate from two
+threads) and random block sizes, budgets and preempting caches: every call ends in time, every handle finishes
+once, the cache is whole when idle, and greedy or seeded outputs equal the request run alone (up to float32 ties)."""
 import threading
 import time
 
@@ -52,8 +51,7 @@ class ApiMachine(RuleBasedStateMachine):
     def submit(self, prompt, params, mode):
         self.requests.append(Request(prompt, params, self.llm.submit(prompt, params), mode))
 
-    # which request, not whether it has finished yet: that depends on timing, and hypothesis must draw the same
-    # choices when it replays a case (an abort of a finished request changes nothing, which is checked too)
+    # any request, finished or not (timing must not change hypothesis's draws); aborting a finished one is a no-op
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def abort(self, data):
@@ -103,9 +101,8 @@ class ApiMachine(RuleBasedStateMachine):
             assert len(finals) <= 1 and (not finals or request.increments[-1] is finals[0])
 
     def assert_same_tokens(self, prompt, params, got, want):
-        """Equal, except that greedy decoding may part where two tokens tie to float32 rounding: a request batched
-        with others, or recomputed after a preemption, rounds its logits differently from one run alone, and from
-        there the two outputs are different texts, both right."""
+        """Equal, except that greedy outputs may part at a float32 tie: batched or preempted, a request rounds its
+        logits differently from one run alone."""
         if got == want or params.temperature > 0:
             assert got == want
             return

@@ -22,9 +22,8 @@ def test_chain_charges_each_kernel_what_it_adds_to_the_critical_path():
 
 
 def test_largest_gaps_name_the_record_that_ended_last_before_each():
-    """Idle gaps over STEP_GAP_US, longest first, each after the record that ended last (not the one that started
-    last: a long kernel overlaps a short one launched after it) and before the next to start; shorter ones and
-    overlaps are no gaps; records come in any order."""
+    """Idle gaps over STEP_GAP_US, longest first, each from the record that ended last (not started last) to the
+    next to start; shorter ones and overlaps are no gaps; records come in any order."""
     records = [
         ("copy", 500.0, 505.0),  # 300 us after long's end
         ("short", 10.0, 20.0),  # starts after long, ends before it
@@ -68,8 +67,8 @@ def test_latency_names_its_runs_and_splits_first_tokens_and_device_time():
 
 
 def test_host_work_times_each_row_and_a_handle_read_only_at_the_end_decodes_nothing_per_token(monkeypatch, capsys):
-    """host_work.py's four tables in small shapes (it had gone stale against RequestHandle): a handle read through
-    result() or once at the end decodes no token on its own, a reader that keeps up decodes each."""
+    """host_work.py's four tables in small shapes: a handle read through result() or once at the end decodes no
+    token on its own, a reader that keeps up decodes each."""
     import host_work
     monkeypatch.setattr(sys, "argv", ["host_work.py", "--blocks", "300", "--repeat", "2", "--tokens", "20",
                                       "--steps", "1", "--num-seqs", "4"])

@@ -1,9 +1,5 @@
-"""The flash-attn and Triton backends and the Triton KV store against the torch reference, on random paged inputs
-(GPU).
-
-Every test carries the `gpu` marker (skipped without CUDA) and skips when its kernel family does not import.
-The reference is `TorchBackend` on float32 copies; the kernels run in bf16.
-"""
+"""The flash-attn and Triton backends and the Triton KV store in bf16 against `TorchBackend` on float32 copies, on
+random paged inputs (GPU); a test skips when its kernel family does not import."""
 import math
 
 import pytest
@@ -163,9 +159,8 @@ def test_triton_decode_sends_small_varlen_steps_to_triton(case, below, monkeypat
 @pytest.mark.gpu
 @pytest.mark.parametrize("varlen_tokens", [276, 277])
 def test_triton_decode_splits_a_mixed_step_that_leads_with_decodes(varlen_tokens, monkeypatch):
-    """40 decodes then two prompts: with the prompts' 277 tokens within triton_varlen_tokens, the decodes go to the
-    decode kernel and the prompts to the Triton varlen kernel; beyond it, flash-attn-4 takes the whole step. The
-    output agrees with torch."""
+    """40 decodes then two prompts of 277 tokens: within triton_varlen_tokens the decodes go to the decode kernel,
+    the prompts to Triton's varlen; beyond it flash-attn-4 takes the whole step. The output agrees with torch."""
     from nanovllm.layers import triton_attention
     try:
         backend = FlashAttnBackend("fa4", triton_decode=True, triton_varlen_tokens=varlen_tokens)

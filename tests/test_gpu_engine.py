@@ -1,6 +1,5 @@
-"""The engine on CUDA: CUDA-graph decode equals eager decode, the sampler captured in the graphs equals the same
-kernel run after them, greedy tokens match HF at bf16 tolerance, and the sampling controls run beside the fast
-path."""
+"""The engine on CUDA: graph decode equals eager, the sampler in the graphs equals it run after them, greedy
+tokens match HF at bf16 tolerance, and the sampling controls run beside the fast path."""
 import random
 
 import pytest
@@ -111,8 +110,8 @@ def test_piecewise_graphs_match_hf_bf16(qwen3_small, monkeypatch, fused):
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_varlen_graphs_match_hf_bf16(qwen3_small, backend):
-    """Prompts of 20-700 tokens, 8 sequences at a time: prefills, chunks and mixed steps of up to 300 tokens
-    replay one whole graph each (the Triton varlen kernel through a tile map), padded to their size."""
+    """Prompts of 20-700 tokens, 8 at a time: prefills, chunks and mixed steps of up to 300 tokens each replay one
+    whole graph (Triton varlen through a tile map), padded to their size."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(qwen3_small, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
     batch = prompts(12, seed=5, lo=20, hi=700)
@@ -139,8 +138,7 @@ def test_kv_cache_too_small_is_a_clear_error(qwen3_small):
 
 
 def test_sampling_controls_on_cuda(qwen3_small):
-    # the full sampler (eager) beside the compiled fast path, with CUDA graphs on; prompts stay inside one block,
-    # so no run hits the prefix cache and equal batches compute the same bits
+    # the eager sampler beside the compiled one, CUDA graphs on; one-block prompts: no prefix hits, same bits
     batch = prompts(6, seed=4, lo=20, hi=200)
     with LLM(qwen3_small, max_model_len=1024) as llm:
         top1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True, logprobs=1)
@@ -176,9 +174,8 @@ def counting_graph_draws(llm) -> list[bool]:
 
 
 def test_graph_sampler_equals_eager_sampler(qwen3_small, monkeypatch):
-    # plain rows only: the sampler in the graph and the same kernel run after it draw from the same device counter
-    # (capturing draws nothing), and 16 sequences that finish together replay the same graph: the same logits,
-    # so even the temperature rows agree, token for token
+    # plain rows: in the graph or after it, the sampler draws from one device counter, and 16 sequences finishing
+    # together replay one graph, so even the temperature rows agree token for token
     batch = prompts(16, seed=7, lo=20, hi=300)
     params = [SamplingParams(temperature=0 if i % 2 else 0.8, max_tokens=40, ignore_eos=True) for i in range(16)]
     outputs = []
@@ -209,9 +206,8 @@ def test_seeded_engines_sample_the_same_tokens(qwen3_small):
 
 
 def test_float32_engine_on_cuda_matches_hf(tiny_model, hf_model):
-    """The tiny float32 checkpoint on CUDA: the Triton attention backend (flash-attn takes no float32), its split
-    decode, CUDA graphs and overlap. Its 4,096 positions are fewer than the default token budget of 16,384: the
-    warm-up must not run a context past the rope table (an illegal address)."""
+    """The tiny float32 checkpoint on CUDA: Triton attention (flash-attn takes no float32), split decode, graphs and
+    overlap; its 4,096 positions are under the 16,384-token budget: the warm-up must stay within the rope table."""
     rng = random.Random(7)
     batch = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 300))] for _ in range(10)]
     with LLM(tiny_model, kvcache_block_size=16, max_model_len=1024) as llm:

@@ -1,7 +1,6 @@
-"""Each family on CUDA in bfloat16: the real shapes' widths with 2 layers and a 32k vocabulary (the MoE with 64 of
-its 128 experts), to keep the files small; greedy tokens teacher-forced against HF at bf16 tolerance; the MoE's
-CUDA-graph decode (fused Triton experts inside the graph) equals its eager decode bit for bit. load_format="dummy"
-on CUDA is what `bench.py --shape qwen3-30b-a3b` runs."""
+"""Each family on CUDA in bf16, real widths with 2 layers and a 32k vocabulary (the MoE with 64 of 128 experts):
+greedy tokens teacher-forced against HF at bf16 tolerance; the MoE's CUDA-graph decode equals its eager decode bit
+for bit. load_format="dummy" on CUDA is what `bench.py --shape qwen3-30b-a3b` runs."""
 import random
 
 import pytest
@@ -19,8 +18,7 @@ SHAPES = {
     "mistral-7b": {},
     "qwen3-30b-a3b": dict(num_experts=64),
 }
-# a different routing of a near-tie (bf16 router logits from slightly different hidden states) moves logits more
-# than bf16 rounding alone does
+# a near-tie routed differently (bf16 router logits) moves logits more than bf16 rounding does
 TOLERANCE = {"qwen3-30b-a3b": 0.3}
 
 

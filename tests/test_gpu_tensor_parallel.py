@@ -1,6 +1,5 @@
-"""Tensor parallelism on several GPUs (NCCL): TP=n equals TP=1 at bf16 tolerance with CUDA graphs on every rank,
-a killed worker fails every waiting call within seconds and `close()` returns, two engines run at once in
-separate processes, and nothing is left in /dev/shm. Each TP size runs where the machine has that many GPUs."""
+"""Tensor parallelism over NCCL: TP=n matches at bf16 tolerance with CUDA graphs on every rank, a killed worker
+fails waiting calls within seconds and `close()` returns, two engines run in two processes, /dev/shm ends empty."""
 import time
 
 import pytest
@@ -37,8 +36,7 @@ def test_tp_equals_tp1_with_graphs_on_every_rank(qwen3_small, tp):
     within(60, llm.close)  # (destroying NCCL's communicator while graphs that captured it live hangs)
     assert [r["device"] for r in ranks] == [f"cuda:{rank}" for rank in range(tp)]
     assert all(r["graphs"] == [1, 2, 4, 8, 16] for r in ranks), ranks
-    # another reduction order gives other bf16 bits, so sequences may part from TP=1 at a near tie: each token
-    # must be HF's argmax within bf16 tolerance, given what came before it
+    # another reduction order may part from TP=1 at a near tie: each token is HF's argmax within bf16 tolerance
     hf = OnCuda(AutoModelForCausalLM.from_pretrained(qwen3_small, dtype=torch.bfloat16,
                                                      attn_implementation="sdpa").cuda())
     for prompt, out in zip(batch, got):
@@ -67,9 +65,9 @@ def test_fewer_kv_heads_than_ranks_match_hf(tmp_path, tp):
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_killed_worker_fails_waiting_calls_within_seconds(qwen3_small, tp):
-    """Rank 0 may wait in an NCCL collective (in a CUDA graph) for the dead peer: the watch fails the calls and
-    aborts the collectives, then `close()` frees the GPU. An abort that never returns keeps the process group
-    (`nanovllm.engine.workers`): a new TP engine waits for it, or says to use a new process; a TP=1 engine runs here."""
+    """Rank 0 may wait in a collective (in a graph) for the dead peer: the watch fails the calls and aborts the
+    collectives, `close()` frees the GPU. An abort that never returns keeps the process group: a new TP engine
+    waits for it or says to use a new process; a TP=1 engine runs here."""
     batch = prompts(8, seed=8, lo=20, hi=100)
     llm = LLM(qwen3_small, tensor_parallel_size=tp, **ENGINE)
     expected = [o["token_ids"] for o in llm.generate(batch, greedy(16), use_tqdm=False)]

@@ -1,7 +1,5 @@
-"""benchmarks/latency.py counts the kernels compiled while it is timed, to say whether a latency tail is a
-compile mid-serving. flash-attn-4 4.0.0b36 keeps its compiled kernels in a `JITCache` whose dict is `.cache` and
-which has no `len()`: counting it with len() raised, the error was swallowed, and it printed "0 kernels
-compiled" beside a 4 s step."""
+"""benchmarks/latency.py counts the kernels compiled while timed, to tell a compile from a latency tail; flash-attn-4
+keeps them in a `JITCache` with no `len()` (its dict is `.cache`), which must be counted too."""
 import gc
 import sys
 import time
@@ -40,8 +38,7 @@ def test_kernels_in_flash_attn_4s_jit_cache_are_counted(monkeypatch):
 
 
 def test_triton_compiles_are_counted_and_named(monkeypatch):
-    """Triton's own kernels (attention, sampler, KV store) can compile mid-serving too: latency.py hooks Triton's
-    compiler and counts and names each variant."""
+    """Triton's kernels can compile mid-serving too: latency.py hooks its compiler, counting and naming each."""
     knobs = pytest.importorskip("triton.knobs")
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)  # restored after the test
     monkeypatch.setattr(latency, "TRITON_COMPILES", [])
@@ -66,9 +63,8 @@ def test_garbage_collections_are_timed(monkeypatch):
 
 
 def test_each_collection_is_timed_from_its_own_start(monkeypatch):
-    """Each pause runs from its collection's start to its end, with the generation it collected: two collections
-    with a sleep between them are each timed within the wall time of their own gc.collect call (automatic
-    collections off, so that only these two are seen)."""
+    """Each pause runs from its collection's start to its end, with its generation: two collections apart are each
+    timed within their own gc.collect call (automatic collections off)."""
     monkeypatch.setattr(latency, "GC_PAUSES", [])
     callbacks, enabled = list(gc.callbacks), gc.isenabled()
     gc.disable()
@@ -89,9 +85,8 @@ def test_each_collection_is_timed_from_its_own_start(monkeypatch):
 
 
 def test_the_report_counts_the_timed_runs_collections_only(tiny_model, monkeypatch, capsys):
-    """The collections latency.py reports for a policy are those of its timed run: not the engine's own at
-    start-up (it collects before freezing what it built), the warm-up's or an earlier policy's. With automatic
-    collections off, one collection of generation 1 is made inside each timed run, and it is the one reported."""
+    """A policy's reported collections are its timed run's, not start-up's, the warm-up's or an earlier policy's:
+    with automatic collections off, the one collection made in each timed run is the one reported."""
     knobs = pytest.importorskip("triton.knobs")
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)  # main() hooks Triton's compiler
     monkeypatch.setattr(latency, "TRITON_COMPILES", [])

@@ -1,7 +1,6 @@
-"""Piecewise graphs (prefills, chunks and mixed steps): the forward in pieces between attentions, each piece
-replayed from static buffers. On CPU a "graph" here runs its piece again, which is what a CUDA graph's replay
-does when the piece reads and writes only the static buffers: so these tests check the pieces, the buffers
-they hand over, the padding and the choice of size; the GPU test checks the capture itself."""
+"""Piecewise graphs (prefills, chunks and mixed steps): the forward in pieces between attentions, each replayed
+from static buffers. On CPU a "graph" reruns its piece, as a replay does if the piece touches only the static
+buffers: these tests check the pieces, their buffers, padding and sizes; the GPU test checks the capture."""
 import random
 
 import pytest
@@ -75,8 +74,7 @@ def test_steps_through_the_pieces_equal_the_eager_forward(tiny_model, hf_model, 
 
         def counting_run(input_ids, positions, meta):
             steps.append(len(input_ids))
-            # garbage in every row that the step does not fill (a graph's buffers hold whatever came before):
-            # no real row may depend on it, and no padding row may store it in the cache
+            # garbage in the rows the step leaves (as in a graph): no real row reads it, no padding row stores it
             for buffer in (piecewise.q, piecewise.k, piecewise.v, piecewise.residual, piecewise.attn_out):
                 buffer.normal_(0, 3)
             piecewise.input_ids.random_(0, 500)
@@ -84,8 +82,7 @@ def test_steps_through_the_pieces_equal_the_eager_forward(tiny_model, hf_model, 
             return run(input_ids, positions, meta)
 
         piecewise.run = counting_run
-        # its chunks fill the token budget; with the fused store (Triton's interpreter runs it for every token of
-        # every step) fewer prompts and tokens, still with full and mixed steps, padding and prefix hits
+        # chunks fill the budget; fewer prompts and tokens with the (interpreted) fused store, still every step kind
         batch = prompts(4 if fused else 12, seed=max_tokens) + [list(range(3, 130 if fused else 250))]
         params = SamplingParams(temperature=0, max_tokens=4 if fused else 10, ignore_eos=True)
         got = generate(llm, batch, params, piecewise)  # first: an empty cache, so whole prompts
@@ -107,8 +104,7 @@ def test_padding_rows_reach_no_cache_slot_and_real_rows_come_back(tiny_model):
     """A step of 5 tokens replays the pieces of 8 after a step of 8 whose slots stay in the static buffer: with
     the fused store (in the pieces) or not, only the step's own 5 slots change, and `run` returns 5 rows."""
     pytest.importorskip("nanovllm.layers.triton_rope_store")
-    # 4 blocks, not a gigabyte of them: the fused store runs through Triton's interpreter, which copies the
-    # caches at each launch; blocks 0 and 1 are the steps', 2 and 3 would show a stray store
+    # 4 blocks (the interpreter copies the caches each launch): 0 and 1 the steps', 2 and 3 show a stray store
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=4) as llm, torch.inference_mode():
         runner = llm.model_runner
         piecewise = PiecewiseGraphs(runner.model, 8, runner.device, capture=Rerun)

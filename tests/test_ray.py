@@ -1,5 +1,5 @@
-"""nanovllm.ray on a local Ray cluster (conftest.ray_cluster: 2 CPUs): two replicas give what one engine gives,
-run_batch --data-parallel-size resumes like the one-engine runner, and a killed replica's batch is retried."""
+"""nanovllm.ray on a local 2-CPU Ray cluster: two replicas give what one engine gives, run_batch
+--data-parallel-size resumes like the one-engine runner, and a killed replica's batch is retried."""
 import json
 import os
 import signal
@@ -61,8 +61,7 @@ def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(ray_cluster, ll
     flags = ["--model", tiny_model, "--no-progress", "--kvcache-block-size", "16", "--max-model-len", "128"]
     assert within(120, main, ["-i", inp, "-o", str(tmp_path / "one.jsonl"), *flags], llm=llm) == 1
     one = read_results(tmp_path / "one.jsonl")
-    # a first data-parallel run that was killed after three results, the last one torn; the bad lines are
-    # left for this run to report
+    # a data-parallel run killed after three results, the last torn; this run reports the bad lines
     kept = [line for line in (tmp_path / "one.jsonl").read_bytes().splitlines(keepends=True)
             if json.loads(line)["error"] is None][:4]
     (tmp_path / "dp.jsonl").write_bytes(b"".join(kept[:3]) + kept[3][:20])
@@ -70,8 +69,7 @@ def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(ray_cluster, ll
     blocks, from_arrow_refs = [], ray.data.from_arrow_refs
     monkeypatch.setattr(ray.data, "from_arrow_refs", lambda refs: blocks.append(len(refs)) or from_arrow_refs(refs))
     assert within(300, main, argv) == 1
-    # 6 requests left (5 to serve, 1 too long, which only an engine measures), a block per batch of 2: Ray Data
-    # gives a whole block to one replica, so one block would leave the other replica idle
+    # 6 requests left (1 too long, as only an engine measures), a block per 2: one block would idle a replica
     assert blocks == [3]
     dp = read_results(tmp_path / "dp.jsonl")
     assert sorted(dp) == sorted(one)

@@ -201,8 +201,7 @@ def test_decode_batches_wider_than_every_graph_run_eagerly(tiny_model):
 
 @needs_interpreter
 def test_graph_replays_beside_full_sampler_rows(tiny_model):
-    # full-sampler rows (seeded, logprobs, penalized) beside chunked prompts; the first request holds block 0,
-    # where a padding row would write if its slot were not -1
+    # full-sampler rows beside chunked prompts; the first request holds block 0, where a padding row would write
     batch = prompts(7, seed=3)
     params = [greedy(14, logprobs=2),
               SamplingParams(temperature=1.0, seed=5, max_tokens=9, ignore_eos=True),

@@ -39,8 +39,7 @@ def make_handle(tokenizer, stop: list[str] = (), stream: bool = True) -> Request
 
 
 def sample(handle: RequestHandle, token_id: int, last: bool = False) -> bool:
-    """What a step does with a sampled token: append it (the last one finishes the sequence), tell the
-    handle; True when a stop string ended the request, which is then finished."""
+    """A step's work on a sampled token (`last` finishes the sequence); True when a stop string ended the request."""
     seq = handle.seq
     seq.append_token(token_id)
     if last:

@@ -1,6 +1,5 @@
 """silu(gate) * up as one Triton kernel (`triton_activation`) against float64: ragged rows and columns, rows of a
-wider tensor, leading dims; on CPU through Triton's interpreter, on a GPU in bf16 against torch's own, and on CUDA
-the engine's gated layers run it."""
+wider tensor, leading dims; on CPU through the interpreter, on a GPU in bf16 against torch, and in the engine."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,6 @@
-"""The Triton paged-attention kernels and KV store against `TorchBackend` in float64 on the very cache they read
-(FP8 dequantized exactly). Without CUDA they run through Triton's interpreter (tests/conftest.py) in float32 (its
-bf16 `tl.dot` is wrong) on small shapes; with CUDA in bf16 and float32. GQA ratios 1-8, head dims 64-256 and 80,
-block sizes 16-256 and 48, ragged contexts, one split and several, FP8 with scales that are not 1."""
+"""The Triton paged-attention kernels and KV store against `TorchBackend` in float64 on the cache they read (FP8
+dequantized exactly); without CUDA through the interpreter in float32 (its bf16 `tl.dot` is wrong), small shapes.
+GQA 1-8, head dims 64-256 and 80, blocks 16-256 and 48, ragged contexts, one split or several, FP8 scales not 1."""
 import dataclasses
 import math
 import random

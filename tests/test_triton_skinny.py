@@ -1,7 +1,6 @@
 """The skinny matmul with fused norm, gate and residual (`triton_skinny`) against the unfused layers in float64:
-rows 1-32, K in one part or several (the last program adds the partial sums, applies the rest and zeroes its
-counter), ragged N and K; on CPU through Triton's interpreter in float32, on a GPU in bf16. Then the layers that
-route to it, and models whose decode steps run through it."""
+rows 1-32, K in one part or several, ragged N and K; on CPU through the interpreter in float32, on a GPU in bf16.
+Then the layers that route to it, and models whose decode steps run through it."""
 import pytest
 import torch
 import torch.nn.functional as F
