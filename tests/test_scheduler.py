@@ -102,6 +102,7 @@ def test_preemption_when_blocks_run_out(tiny_model, prefill_first):
     (SamplingParams(max_tokens=100), [5, 5, 5], "length", 2, 6),  # at max_model_len: 4 + 2 tokens
     (SamplingParams(max_tokens=2), [5, EOS], "length", 2, 4096),  # the length first, as vLLM v1
     (SamplingParams(max_tokens=100, stop_token_ids=[7]), [5, 7], "length", 2, 6),
+    (SamplingParams(max_tokens=10, min_tokens=2), [EOS, EOS, 5], "stop", 2, 4096),  # EOS counts from min_tokens
 ])
 def test_finish_conditions(tiny_model, params, tokens, reason, length, max_model_len):
     seq = Sequence([9] * 4, params)
