@@ -169,6 +169,8 @@ def test_a_sequence_whose_pending_token_ends_it_holds_back_no_other(tiny_model):
 @pytest.mark.parametrize("params, token, stop_reason", [
     (SamplingParams(max_tokens=10), EOS, None),
     (SamplingParams(max_tokens=10, stop_token_ids=[7]), 7, 7),
+    (SamplingParams(max_tokens=10, stop_token_ids=[EOS]), EOS, None),  # EOS is checked first
+    (SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[EOS]), EOS, EOS),  # not ignored as a stop token
 ])
 def test_stop_reason_is_none_for_eos_and_the_token_for_a_stop_token(tiny_model, params, token, stop_reason):
     """As vLLM: EOS gives stop_reason None; a stop token id gives that id."""
