@@ -178,3 +178,9 @@ def test_stop_reason_is_none_for_eos_and_the_token_for_a_stop_token(tiny_model, 
     s = make_scheduler(tiny_model, seq, num_kvcache_blocks=8)
     _, finished = step(s, token)
     assert finished == [seq] and seq.finish_reason == "stop" and seq.stop_reason == stop_reason
+
+
+def test_a_stop_token_waits_for_min_tokens(tiny_model):
+    seq = Sequence([9] * 4, SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[7]))
+    s = make_scheduler(tiny_model, seq, num_kvcache_blocks=8)
+    assert step(s, 7)[1] == [] and step(s, 7)[1] == [seq] and seq.num_completion_tokens == 2
