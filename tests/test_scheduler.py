@@ -184,3 +184,11 @@ def test_a_stop_token_waits_for_min_tokens(tiny_model):
     seq = Sequence([9] * 4, SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[7]))
     s = make_scheduler(tiny_model, seq, num_kvcache_blocks=8)
     assert step(s, 7)[1] == [] and step(s, 7)[1] == [seq] and seq.num_completion_tokens == 2
+
+
+def test_a_step_hashes_every_block_it_filled(tiny_model):
+    a = Sequence(list(range(3, 43)), SamplingParams(max_tokens=5, ignore_eos=True))
+    s = make_scheduler(tiny_model, a, prefill_first=False, num_kvcache_blocks=8, max_num_batched_tokens=32)
+    step(s)  # blocks 0 and 1
+    step(s)  # the rest of the prompt: no full block
+    assert [s.block_manager.blocks[b].hash != -1 for b in a.block_table] == [True, True, False]
