@@ -14,7 +14,8 @@ def test_completion_tokens():
     seq = Sequence([1, 2, 3], SamplingParams(max_tokens=3))
     seq.append_token(7)
     seq.append_token(8)
-    assert seq.completion_token_ids == [7, 8] and seq.num_completion_tokens == 2 and len(seq) == 5 and seq.last_token == 8
+    assert seq.completion_token_ids == [7, 8] and seq.num_completion_tokens == 2 and len(seq) == 5
+    assert seq.last_token == 8
 
 
 def test_dropping_a_pending_token_restores_the_sequence():
