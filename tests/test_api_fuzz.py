@@ -4,10 +4,12 @@ once, the cache is whole when idle, and greedy or seeded outputs equal the reque
 import threading
 import time
 
+import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sampling_batch import GOLDEN
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
 TIMEOUT = 60  # seconds any one call may take on a slow CI machine
@@ -101,16 +103,23 @@ class ApiMachine(RuleBasedStateMachine):
             assert len(finals) <= 1 and (not finals or request.increments[-1] is finals[0])
 
     def assert_same_tokens(self, prompt, params, got, want):
-        """Equal, except that greedy outputs may part at a float32 tie: batched or preempted, a request rounds its
-        logits differently from one run alone."""
-        if got == want or params.temperature > 0:
-            assert got == want
-            return
+        """Equal, except that outputs may part at a float32 tie: batched or preempted, a request rounds its logits
+        differently from one run alone. A tie of greedy logits, or of seeded scores logit / T - log(noise), the
+        noise of the request's seed at that position (`Sampler.sample`)."""
         j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-        assert j is not None, f"one output is a prefix of the other: {got} {want}"
-        top = self.llm.generate([list(prompt) + got[:j]], SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+        if j is None:
+            assert got == want, f"one output is a prefix of the other: {got} {want}"
+            return
+        config = self.llm.config
+        vocab = config.hf_config.vocab_size
+        top = self.llm.generate([list(prompt) + got[:j]], SamplingParams(temperature=0, max_tokens=1, logprobs=vocab),
                                 use_tqdm=False)[0]["logprobs"][0]
-        assert got[j] in top and want[j] in top and abs(top[got[j]] - top[want[j]]) < 1e-4, (j, got, want, top)
+        scores = torch.tensor([top[got[j]], top[want[j]]])
+        if params.temperature > 0:
+            draw = torch.Generator(config.device).manual_seed((params.seed * GOLDEN + len(prompt) + j) % (1 << 64))
+            noise = torch.empty(vocab, device=config.device).exponential_(1, generator=draw)
+            scores = scores / params.temperature - noise[[got[j], want[j]]].log().cpu()
+        assert abs(scores[0] - scores[1]) < 1e-4, (j, got, want, scores)
 
     def teardown(self):
         if not hasattr(self, "llm"):
