@@ -9,7 +9,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sampling_batch import GOLDEN
+from nanovllm.engine.sampling_batch import draw_seed
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
 TIMEOUT = 60  # seconds any one call may take on a slow CI machine
@@ -116,7 +116,7 @@ class ApiMachine(RuleBasedStateMachine):
                                 use_tqdm=False)[0]["logprobs"][0]
         scores = torch.tensor([top[got[j]], top[want[j]]])
         if params.temperature > 0:
-            draw = torch.Generator(config.device).manual_seed((params.seed * GOLDEN + len(prompt) + j) % (1 << 64))
+            draw = torch.Generator(config.device).manual_seed(draw_seed(params.seed, len(prompt) + j))
             noise = torch.empty(vocab, device=config.device).exponential_(1, generator=draw)
             scores = scores / params.temperature - noise[[got[j], want[j]]].log().cpu()
         assert abs(scores[0] - scores[1]) < 1e-4, (j, got, want, scores)

@@ -43,12 +43,17 @@ def build_sampling_batch(seqs: list[Sequence], eos_token_ids: frozenset[int], vo
         batch.penalties = penalty_slots.gather([seqs[row] for row in penalized], column(penalized, np.int64),
                                                to_device)
     if any(p.seed is not None for p in params):
-        # the draw for a request's k-th token depends on its seed and position only: reproducible in any batch
-        batch.seeds = [(row, (p.seed * GOLDEN + seq.num_tokens) % (1 << 64))
+        batch.seeds = [(row, draw_seed(p.seed, seq.num_tokens))
                        for row, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None]
     if any(p.logprobs is not None for p in params):
         batch.num_logprobs = [p.logprobs for p in params]
     return batch
+
+
+def draw_seed(seed: int, num_tokens: int) -> int:
+    """The generator's seed for a seeded request's token after its first num_tokens: its seed and position only,
+    so the draw is the same in any batch."""
+    return (seed * GOLDEN + num_tokens) % (1 << 64)
 
 
 def is_plain(seqs: list[Sequence]) -> bool:
