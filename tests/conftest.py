@@ -18,6 +18,8 @@ from nanovllm.utils.random_checkpoint import make_random_checkpoint  # noqa: E40
 from nanovllm import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# a background job inherits SIGINT ignored; the tests of ^C need Python's handler, as a terminal's run has it
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
