@@ -195,9 +195,16 @@ def kill_the_worker_as_rank_0_sizes_its_cache(monkeypatch):
     monkeypatch.setattr(ModelRunner, "allocate_kv_cache", worker_dies_first)
 
 
-def shm_segments(pid: int | None = None) -> list[str]:
-    """The shared-memory segments that the engines of process `pid` (default: this one) made and did not remove."""
-    return [name for name in os.listdir("/dev/shm") if name.startswith(f"nanovllm-{pid or os.getpid()}-")]
+def _segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"nanovllm-{os.getpid()}-")}
+
+
+STALE_SEGMENTS = _segments()  # a killed process's, under this pid again (pid_max may be 32,768): not ours
+
+
+def shm_segments() -> list[str]:
+    """The shared-memory segments that this process's engines made and did not remove."""
+    return sorted(_segments() - STALE_SEGMENTS)
 
 
 def in_processes(target, *args, copies: int = 2) -> list:

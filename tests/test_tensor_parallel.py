@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -450,6 +451,19 @@ def test_an_error_on_rank_0_mid_step_ends_the_engine_without_a_hang(tiny_model):
         within(30, generate, llm)
     assert_closes_within_15s(llm)
     assert not llm.processes[0].is_alive()
+
+
+def test_a_segment_left_under_this_pid_by_a_killed_process_is_not_this_ones():
+    # a killed run's segment under the pid that a later run's pytest got failed 8 of its tests
+    code = ("import os; from multiprocessing.shared_memory import SharedMemory as S; from tests.conftest import "
+            "shm_segments; s = S(f'nanovllm-{os.getpid()}-new', create=True, size=1); print(shm_segments()); s.unlink()")
+    with subprocess.Popen(["bash", "-c", 'touch /dev/shm/nanovllm-$$-old && exec "$0" -c "$1"', sys.executable, code],
+                          cwd=ROOT, stdout=subprocess.PIPE, text=True) as shell:  # bash's pid is python's
+        try:
+            out = shell.communicate(timeout=120)[0]
+        finally:
+            Path(f"/dev/shm/nanovllm-{shell.pid}-old").unlink(missing_ok=True)
+    assert out.split() == [f"['nanovllm-{shell.pid}-new']"]
 
 
 def step_held_on_rank_0(llm: LLM) -> tuple[threading.Thread, dict, threading.Event]:
