@@ -454,9 +454,9 @@ def test_an_error_on_rank_0_mid_step_ends_the_engine_without_a_hang(tiny_model):
 
 
 def test_a_segment_left_under_this_pid_by_a_killed_process_is_not_this_ones():
-    # a killed run's segment under the pid that a later run's pytest got failed 8 of its tests
-    code = ("import os; from multiprocessing.shared_memory import SharedMemory as S; from tests.conftest import "
-            "shm_segments; s = S(f'nanovllm-{os.getpid()}-new', create=True, size=1); print(shm_segments()); s.unlink()")
+    # a killed run's segment under the pid that a later pytest gets failed 18 of this file's tests
+    code = ("import os, multiprocessing.shared_memory as m; from tests.conftest import shm_segments; s = m.SharedMemory"
+            "(f'nanovllm-{os.getpid()}-new', create=True, size=1); print(shm_segments()); s.unlink()")
     with subprocess.Popen(["bash", "-c", 'touch /dev/shm/nanovllm-$$-old && exec "$0" -c "$1"', sys.executable, code],
                           cwd=ROOT, stdout=subprocess.PIPE, text=True) as shell:  # bash's pid is python's
         try:
