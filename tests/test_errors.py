@@ -1,6 +1,7 @@
 """Bad input gets a clear error before any work starts, and the engine serves the next call normally."""
 import importlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,8 @@ def test_flash_attn_without_cuda_is_a_clear_error(tiny_model):
     ({"min_p": -0.1}, ValueError),
     ({"min_tokens": -1}, ValueError),
     ({"frequency_penalty": -2.5}, ValueError),
+    ({"temperature": True}, TypeError),  # a bool is no number, nor (numpy's too) an int
+    ({"top_k": np.bool_(True)}, TypeError),
 ])
 def test_bad_sampling_params(kwargs, error):
     with pytest.raises(error, match=next(iter(kwargs))):

@@ -507,6 +507,35 @@ def test_a_failed_loop_fails_each_request_once_and_lets_go_of_it():
         loop.check()
 
 
+@pytest.mark.parametrize("end", ["fail", "stop"])
+def test_an_ended_loop_queues_no_abort_and_later_calls_name_the_first_cause(end):
+    """Once a loop has failed or stopped, every request has finished: a later abort is moot and is not queued (the
+    inbox would hold its handle for good). A later call's error is chained to what killed the loop."""
+    class Engine:  # what an EngineLoop holds, weakly
+        pass
+
+    class Handle:
+        pass
+
+    fake = Engine()
+    loop, bug = EngineLoop(fake), ValueError("a bug in a step")
+    if end == "fail":
+        failure = RuntimeError("the engine's loop thread stopped")
+        failure.__cause__ = bug
+        loop.fail(failure)
+    else:
+        assert loop.stop(timeout=5)
+    handle = Handle()
+    gone = weakref.ref(handle)
+    loop.post("abort", handle)
+    del handle
+    gc.collect()
+    assert loop.inbox == [] and gone() is None
+    with pytest.raises(RuntimeError, match="loop thread stopped" if end == "fail" else "closed") as raised:
+        loop.check()
+    assert raised.value.__cause__ is (bug if end == "fail" else None)
+
+
 def test_a_step_racing_close_returns_what_it_finished(tiny_model, monkeypatch):
     llm = engine(tiny_model)
     handle = llm.add_request(PROMPT, GREEDY)

@@ -132,6 +132,18 @@ def test_top_p_keeps_a_token_while_the_likelier_ones_hold_less(top_p, kept):
     assert int(out.isfinite().sum()) == kept
 
 
+def test_turned_off_top_k_and_top_p_keep_every_token_beside_rows_that_use_them():
+    """top_k=-1 (off, as 0) and top_p=1 keep the whole vocabulary also in a batch whose other rows use them, even
+    where one token holds all the probability in float32 (so the mass before every other token is 1.0)."""
+    seqs = [Sequence([5, 6], SamplingParams(top_k=-1, top_p=1.0, seed=1)),
+            Sequence([5, 6], SamplingParams(top_k=2, top_p=0.5))]
+    batch = build_sampling_batch(seqs, frozenset([1]), 64, torch.from_numpy)
+    logits = torch.zeros(2, 64)
+    logits[:, 7] = 30.0
+    kept = apply_min_p_top_k_top_p(logits, batch.min_p, batch.top_k, batch.top_p).isfinite()
+    assert kept[0].all() and kept[1].nonzero().flatten().tolist() == [7]
+
+
 @pytest.mark.parametrize("controls", [{"top_k": 5}, {"top_p": 0.3}, {"min_p": 0.3}, {"top_k": 20, "top_p": 0.5}])
 def test_draws_stay_inside_the_kept_set(llm, hf_model, controls):
     prompt = prompts(1, seed=1)[0]
@@ -170,6 +182,15 @@ def test_a_seeded_requests_draws_differ_from_position_to_position():
     assert len(set(tokens)) > 1
     seq = Sequence([5], SamplingParams(seed=4))  # not seed 3's, shifted
     assert build_sampling_batch([seq], frozenset(), 64, torch.from_numpy).seeds[0][1] not in seeds
+
+
+def test_a_seeded_request_continued_from_its_own_output_draws_the_same(llm):
+    """A seed fixes the draw at each position of the sequence, prompt and output alike: a request whose prompt is
+    another's prompt plus the start of its output, with the same seed, continues that output."""
+    prompt = prompts(1, seed=6)[0]
+    expected = one(llm, prompt, sampled(max_tokens=12, seed=11))["token_ids"]
+    for j in (1, 5):
+        assert one(llm, prompt + expected[:j], sampled(max_tokens=12 - j, seed=11))["token_ids"] == expected[j:], j
 
 
 def test_same_seed_survives_preemption(llm, tiny_model):
@@ -301,6 +322,24 @@ def test_penalties_from_slots_equal_a_full_rebuild(histories, settings_, seed):
         expected = reference_penalties(logits[row], prompt, output, p.repetition_penalty, p.frequency_penalty,
                                        p.presence_penalty)
         torch.testing.assert_close(got[row], expected)
+
+
+@pytest.mark.parametrize("setting", [(1.3, 0.0, 0.0), (1.0, 0.7, 0.0), (1.0, 0.0, 0.7)],
+                         ids=["repetition", "frequency", "presence"])
+def test_each_penalty_applies_alone(setting):
+    """Any one penalty, the others off, penalizes its row: it is not taken for a row without penalties."""
+    prompt, output = [5, 6], [7, 7, 8]
+    r, f, p = setting
+    seqs = [Sequence(prompt, SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=p)),
+            Sequence(prompt, SamplingParams(top_k=3))]
+    for seq in seqs:
+        for t in output:
+            seq.append_token(t)
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)) * 3
+    slots = PenaltySlots(64, 16, 2, torch.device("cpu"))
+    got = apply_penalties(logits, build_sampling_batch(seqs, frozenset(), 64, torch.from_numpy, slots))
+    torch.testing.assert_close(got[0], reference_penalties(logits[0], prompt, output, *setting))
+    assert torch.equal(got[1], logits[1])
 
 
 def test_penalty_slots_grow_by_doubling_up_to_max_num_seqs():
