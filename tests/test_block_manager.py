@@ -166,3 +166,24 @@ def test_a_prefix_differing_in_a_blocks_last_token_is_no_hit():
     c = Sequence(list(range(7)) + [99, 8, 9])  # the same first block, the second differs in its last token
     assert bm.allocate(c)
     assert c.num_cached_tokens == 4 and c.block_table[0] == a.block_table[0] != c.block_table[1]
+
+
+class CountingList(list):
+    """A block table that counts its lookups."""
+    reads = 0
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return super().__getitem__(i)
+
+
+def test_hashing_a_step_looks_only_at_the_blocks_it_filled():
+    """A step's hashing costs in proportion to the blocks it filled, not to the sequence's length: a step that
+    fills the last block of a long sequence looks at that block, not again at every block before it."""
+    bm, s = BlockManager(100, BS), seq(51 * BS)
+    bm.allocate(s)
+    computed(bm, s, 50 * BS)
+    s.block_table = CountingList(s.block_table)
+    s.num_computed_tokens = 51 * BS
+    bm.hash_computed_blocks(s, 50 * BS)
+    assert s.block_table.reads == 1 and bm.blocks[s.block_table[50]].hash != -1

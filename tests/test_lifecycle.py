@@ -392,6 +392,39 @@ def test_an_interrupt_while_a_step_takes_requests_in_orphans_none(own_llm, monke
     assert llm._loop.handles == {}
 
 
+def test_an_aborted_request_leaves_the_table_of_requests(own_llm):
+    """An abort ends the request and takes it out of the engine's table: a server whose clients go away does not
+    keep every handle it aborted (and its output) for good."""
+    running, queued = own_llm.add_request(PROMPT, LONG), own_llm.add_request([8, 9], LONG)
+    own_llm.step()
+    running.abort()
+    queued.abort()
+    while not own_llm.is_finished():
+        own_llm.step()
+    assert running.result(timeout=0)["finish_reason"] == queued.result(timeout=0)["finish_reason"] == "abort"
+    assert own_llm._loop.handles == {}
+    assert_idle_and_clean(own_llm)
+
+
+def test_a_request_that_close_ended_on_its_way_in_is_not_scheduled(own_llm, monkeypatch):
+    """close() in another thread may end a request just after a step took it from the inbox: the step then leaves
+    it out of the scheduler (it would compute for a request that nobody reads, holding its blocks)."""
+    loop, take = own_llm._loop, own_llm._loop.take_inbox
+
+    def take_then_close():
+        inbox = take()
+        for request_id, handle in list(loop.handles.items()):  # as close()'s finish_all, meanwhile
+            handle._end_aborted()
+            loop.handles.pop(request_id)
+        return inbox
+    monkeypatch.setattr(loop, "take_inbox", take_then_close)
+    handle = own_llm.add_request(PROMPT, GREEDY)
+    own_llm.step()
+    assert handle.result(timeout=0)["finish_reason"] == "abort"
+    assert own_llm.scheduler.is_finished() and own_llm._in_flight is None
+    assert own_llm.stats()["num_free_blocks"] == own_llm.stats()["num_total_blocks"]
+
+
 @pytest.mark.parametrize("call, match", [(lambda llm: llm.step(), "the engine is closed"),
                                          (lambda llm: llm.submit(PROMPT, GREEDY), "closed")], ids=["step", "submit"])
 def test_a_call_racing_close_says_closed(tiny_model, monkeypatch, call, match):

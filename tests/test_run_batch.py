@@ -12,7 +12,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.batch.executor import BatchExecutor
 from nanovllm.batch.intake import intake
 from nanovllm.batch.protocol import MAX_N, MIN_LOGPROB, LineError, parse_request, result_line
-from nanovllm.batch.results import ResultsFile
+from nanovllm.batch.results import ResultsFile, signals_held
 from nanovllm.config import Config
 from nanovllm.run_batch import build_parser, count_lines, main
 from tests.batch_util import (CHAT, COMPLETIONS, choices, main_here, read_results, request, tear_first_line_then_signal,
@@ -321,6 +321,38 @@ def test_a_signal_never_cuts_a_result_line(llm, tmp_path, monkeypatch, capsys, f
     assert signalled and len(read_results(out)) == 1
     err = capsys.readouterr().err
     assert all(text in err for text in counted), err
+
+
+def test_signals_held_delivers_each_signal_that_came_once_after_the_block():
+    """A SIGTERM and a SIGINT that arrive while a result line is written both reach their handlers after it (a
+    second SIGTERM adds nothing): holding a signal must not lose another."""
+    got = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: got.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with signals_held():
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+                signal.raise_signal(signum)
+            assert got == []
+        assert got == [signal.SIGTERM, signal.SIGINT]
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def test_signals_held_leaves_a_handler_set_outside_python_alone(monkeypatch):
+    """Where a signal's handler was set outside Python (getsignal gives None), signals_held cannot put it back
+    afterwards, so it holds nothing: the signal reaches its handler at once."""
+    got = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        getsignal = signal.getsignal
+        monkeypatch.setattr(signal, "getsignal", lambda signum: None if signum == signal.SIGTERM else getsignal(signum))
+        with signals_held():
+            signal.raise_signal(signal.SIGTERM)
+            assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_exit_status_and_a_finished_file_is_left_alone(llm, tmp_path):

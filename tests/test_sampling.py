@@ -386,6 +386,14 @@ def test_special_tokens_in_text(llm):
     assert skipped["text"] == llm.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+def test_decode_skips_special_tokens_by_default_as_an_outputs_text_does(llm):
+    """llm.decode(token_ids) gives the text that an output of those tokens has with the default params."""
+    special = sorted(llm.tokenizer.all_special_ids)
+    token_ids = [special[0], 100, special[-1], 101]
+    assert llm.decode(token_ids) == llm.tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert llm.decode(token_ids) != llm.decode(token_ids, skip_special_tokens=False)
+
+
 def test_chat_applies_the_template(llm):
     conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     templated = llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)

@@ -73,6 +73,17 @@ def test_step_inputs_of_a_mixed_batch():
     assert step_inputs([decode, decode], block_size=4).num_leading_decodes == 2
 
 
+def test_a_step_before_the_cache_exists_writes_no_slot():
+    """The sizing prefill runs before the KV cache is made: its sequences have no blocks, and every token's slot is
+    -1 (write nothing), never slot 0 of a cache."""
+    seqs = [Sequence(list(range(6))), Sequence([1, 2, 3])]
+    for seq in seqs:
+        seq.num_scheduled_tokens = seq.num_tokens
+    inputs = step_inputs(seqs, block_size=4)
+    assert inputs.slot_mapping.tolist() == [-1] * 9 and inputs.block_tables.shape == (2, 0)
+    assert inputs.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+
+
 @pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=40, num_kvcache_blocks=14)],
                          ids=["plain", "chunked-preempting"])
 def test_packed_inputs_give_the_same_outputs(tiny_model, engine_args):

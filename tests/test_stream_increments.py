@@ -133,6 +133,17 @@ def test_a_stream_holds_back_what_may_start_a_stop_string(tokenizer):
     assert handle.result(timeout=0)["text"] == "a"
 
 
+def test_each_push_decodes_only_the_newest_tokens_and_their_context(tokenizer):
+    """A push decodes its new tokens with the piece before them as context, never the whole completion again: a
+    long stream costs in proportion to its length, not to its square. The pieces still add up to the decode."""
+    detokenizer = IncrementalDetokenizer(tokenizer, threading.Lock())
+    decode, lengths = detokenizer.decode, []
+    detokenizer.decode = lambda token_ids, skip: lengths.append(len(token_ids)) or decode(token_ids, skip)
+    token_ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. " * 8)
+    assert "".join(detokenizer.push([token_id]) for token_id in token_ids) == tokenizer.decode(token_ids)
+    assert len(token_ids) > 50 and max(lengths) <= 4
+
+
 @pytest.fixture(scope="module")
 def metaspace_tokenizer():
     """A SentencePiece-style tokenizer (as Llama's and Mistral's): "▁" marks a space, which a decode drops before
