@@ -144,11 +144,6 @@ def table(args):
         torch.cuda.empty_cache()
 
 
-def cell(us: float, p: Problem, fp8: bool = False) -> str:
-    """Microseconds and, in brackets, TB/s of KV read (bf16, or FP8: half the bytes)."""
-    return f"{us:.1f} ({p.bytes_bf16 / (2 if fp8 else 1) / us / 1e6:.2f})"
-
-
 def main():
     global FLUSH
     parser = argparse.ArgumentParser()
