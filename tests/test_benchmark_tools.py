@@ -64,19 +64,3 @@ def test_latency_names_its_runs_and_splits_first_tokens_and_device_time():
     assert device_parts([(Event(a), Event(b), prompt) for a, b, prompt in steps]) == (
         "with prompt tokens (2): work 2.00 / 2.80, idle before 0.50 / 0.50; after one (1): work 1.00 / 1.00, "
         "idle before 0.00 / 0.00; other (1): work 1.00 / 1.00, idle before 0.00 / 0.00")
-
-
-def test_host_work_times_each_row_and_a_handle_read_only_at_the_end_decodes_nothing_per_token(monkeypatch, capsys):
-    """host_work.py's four tables in small shapes: a handle read through result() or once at the end decodes no
-    token on its own, a reader that keeps up decodes each."""
-    import host_work
-    monkeypatch.setattr(sys, "argv", ["host_work.py", "--blocks", "300", "--repeat", "2", "--tokens", "20",
-                                      "--steps", "1", "--num-seqs", "4"])
-    host_work.main()
-    lines = capsys.readouterr().out.splitlines()
-    rows = {line.split("|")[0].strip(): float(line.split("|")[-1]) for line in lines if "|" in line and
-            line.split("|")[-1].strip()[0].isdigit()}  # the first column: the last one
-    decodes = {"result() only": 0, "iterated": 2, "iterated at the end": 0, "asyncio listener": 2, "stop string": 2}
-    assert {how: rows[how] for how in decodes} == decodes
-    assert rows["plain"] == 1 and {"300", "repetition", "frequency + presence", "all three"} <= rows.keys()
-    assert lines[-1].startswith("rank 0 pickles")

@@ -329,7 +329,7 @@ class ModelRunner:
     def run(self, seqs: list[Sequence]) -> StepOutput | None:
         """Launch the computation of the scheduled tokens of `seqs`; returns the step's samples, one per sampling
         sequence, without waiting for them. The workers get the step's inputs, a few arrays, not the sequences
-        (far cheaper to pickle: benchmarks/host_work.py)."""
+        (far cheaper to pickle: `git show 648ba5f:benchmarks/host_work.py`)."""
         inputs = step_inputs(seqs, self.block_size)
         sampling = [seq for seq in seqs if seq.samples_this_step]
         if self.channel is None:
