@@ -149,6 +149,8 @@ KERNEL_CASES = [
     (33, 6, 3, 40, 24, dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32), "half the experts idle"),
     (50, 12, 1, 32, 16, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16), "one expert takes nearly all"),
     (20, 5, 5, 16, 16, dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=16), "random"),
+    (1, 16, 16, 16, 16, None, "random"),  # a block for each expert's one pair: the most padding there can be
+    (40, 128, 4, 16, 16, None, "random"),  # 160 pairs: the alignment counts them in chunks of 64
 ]
 
 

@@ -123,6 +123,16 @@ def test_kernel_draws_come_from_seed_and_step(small_tiles):
     assert torch.equal(sample_plain(logits, temperatures, state), first)
     assert not torch.equal(sample_plain(logits, temperatures, rng(8)), first)
     assert len(set(first.tolist())) > 4  # rows draw independently of each other
+    state[1] = 2 ** 32  # step 0's low word: the high one draws afresh too
+    assert not torch.equal(sample_plain(logits, temperatures, state), first)
+
+
+@needs_triton
+def test_kernel_noise_of_zero_bits_is_finite():
+    """Token 1,482 of row 0 draws all-zero bits at seed 1, step 874: its uniform stays above 0, so it still wins."""
+    logits = torch.zeros(1, 4096, device=DEVICE)
+    logits[0, 1482] = 30.0  # 43 in base 2: ahead of any other's noise (< 24) by more than its own (> -5)
+    assert sample_plain(logits, torch.ones(1, device=DEVICE), torch.tensor([1, 874], device=DEVICE)).item() == 1482
 
 
 @needs_triton

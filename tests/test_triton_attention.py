@@ -522,7 +522,8 @@ def test_triton_store_matches_torch(kv_fp8, block_size):
     gen = torch.Generator().manual_seed(0)
     num_tokens, num_kv_heads, head_dim, num_blocks = 21, 3, 80, 5
     qkv = torch.randn(num_tokens, 4 * num_kv_heads * head_dim, generator=gen) * 4
-    k, v = qkv.view(num_tokens, 4, num_kv_heads, head_dim)[:, 2:].unbind(1)  # slices of a qkv projection
+    k = qkv.view(num_tokens, 4, num_kv_heads, head_dim)[:, 0]  # slices of a qkv projection, v's heads 4 apart
+    v = qkv.view(num_tokens, num_kv_heads, 4, head_dim)[:, :, 3]
     qkv[:3, -1] = torch.tensor([1e4, -1e4, 30.0])  # beyond FP8's range once divided by the scale: saturates
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[::4] = -1  # padding: writes nothing
