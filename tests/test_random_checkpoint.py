@@ -130,8 +130,8 @@ def test_tokenizer_specials_and_size(tok, tmp_path):
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False)
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
     assert len(tok.encode("the")) < 3  # BPE merges were learned
-    small = make_random_checkpoint(tmp_path / "small", vocab_size=300)
-    assert len(AutoTokenizer.from_pretrained(small)) <= 300
+    small = make_random_checkpoint(tmp_path / "small", vocab_size=259)  # the least
+    assert len(AutoTokenizer.from_pretrained(small)) <= 259
     _load(small)
     with pytest.raises(ValueError):
         make_random_checkpoint(tmp_path / "too-small", vocab_size=100)
@@ -181,3 +181,10 @@ def test_unknown_shape_and_field(tmp_path):
     with pytest.raises(ValueError):
         make_random_checkpoint(tmp_path / "x", hidden_sise=32)
     assert not (tmp_path / "x").exists()
+
+
+def test_a_tensor_of_more_than_one_chunk_is_drawn_whole():
+    config = rc.hf_config(rc._resolve_config("tiny", dict(vocab_size=100_000)))  # 6.4M weights: 1.5 chunks
+    name, embed = next(rc.random_tensors(config))
+    assert name == "model.embed_tokens.weight"
+    assert abs(embed.view(-1)[1 << 22:].std().item() - 64 ** -0.5) < 1e-3  # the last chunk's, not torch.empty's

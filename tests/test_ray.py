@@ -6,6 +6,7 @@ import signal
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,15 +31,17 @@ def llm(tiny_model):
 def test_two_replicas_equal_one_engine(ray_cluster, llm, tiny_model):
     from nanovllm.ray import generate
     rows = [{"id": i, "prompt": f"The sea number {i}", "messages": None, "sampling_params": None} for i in range(6)]
-    rows += [{"id": 6, "prompt": None, "messages": CONVERSATION, "sampling_params": None},
+    rows += [{"id": 6, "prompt": None, "messages": CONVERSATION, "sampling_params": {"temperature": 0.0}},
              {"id": 7, "prompt": "Short one", "messages": None, "sampling_params": {"max_tokens": 3}},
              {"id": 8, "prompt": "word " * 200, "messages": None, "sampling_params": None},  # too long: an error
-             {"id": 9, "prompt": None, "messages": None, "sampling_params": None}]  # nothing to serve: an error
+             {"id": 9, "prompt": None, "messages": None, "sampling_params": None},  # nothing to serve: an error
+             {"id": 10, "prompt": "x", "messages": CONVERSATION, "sampling_params": None},  # both
+             {"id": 11, "prompt": None, "messages": [{"role": "user", "content": None}], "sampling_params": None}]
     dataset = ray.data.from_items(rows)
     out = within(300, lambda: generate(dataset, tiny_model, GREEDY, concurrency=2, batch_size=3,
                                               **ENGINE_ARGS).take_all())
     got = {row["id"]: row for row in out}
-    assert sorted(got) == list(range(10))
+    assert sorted(got) == list(range(12))
     expected = llm.generate([f"The sea number {i}" for i in range(6)], GREEDY, use_tqdm=False)
     expected += llm.chat(CONVERSATION, GREEDY, use_tqdm=False)
     expected += llm.generate(["Short one"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
@@ -49,11 +52,13 @@ def test_two_replicas_equal_one_engine(ray_cluster, llm, tiny_model):
         assert (row["generated_text"], list(row["generated_token_ids"]), row["finish_reason"]) == \
             (out["text"], out["token_ids"], out["finish_reason"])
     assert got[6]["num_prompt_tokens"] == len(llm.apply_chat_template(CONVERSATION))
-    assert "max_model_len=128" in got[8]["error"] and "'prompt' or a 'messages'" in got[9]["error"]
+    assert "max_model_len=128" in got[8]["error"] and "'role'" in got[11]["error"]
+    assert all("'prompt' or a 'messages'" in got[i]["error"] for i in (9, 10))
     assert list(got[8]["generated_token_ids"]) == [] and got[8]["prompt"].startswith("word")  # input columns stay
 
 
-def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(ray_cluster, llm, tiny_model, tmp_path, monkeypatch):
+def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(ray_cluster, llm, tiny_model, tmp_path, monkeypatch,
+                                                                  capsys):
     lines = [request(f"r{i}", prompt=f"The moon {i}", max_tokens=6, temperature=0, ignore_eos=True) for i in range(7)]
     lines += [request("chat", CHAT, messages=CONVERSATION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=1),
               "not json", request("r1", prompt="duplicate"), request("long", prompt=list(range(3, 200)))]
@@ -69,6 +74,9 @@ def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(ray_cluster, ll
     blocks, from_arrow_refs = [], ray.data.from_arrow_refs
     monkeypatch.setattr(ray.data, "from_arrow_refs", lambda refs: blocks.append(len(refs)) or from_arrow_refs(refs))
     assert within(300, main, argv) == 1
+    err = capsys.readouterr().err  # counted as by one engine
+    assert "5 served, 3 failed (duplicate_custom_id 1, invalid_json 1, prompt_too_long 1)" in err
+    assert "; 29 completion tokens" in err
     # 6 requests left (1 too long, as only an engine measures), a block per 2: one block would idle a replica
     assert blocks == [3]
     dp = read_results(tmp_path / "dp.jsonl")
@@ -156,3 +164,13 @@ def test_without_ray_the_error_says_how_to_get_it(tiny_model, tmp_path, monkeypa
     inp = write_lines(tmp_path / "in.jsonl", [request("a", prompt="x")])
     assert main(["-i", inp, "-o", str(tmp_path / "out"), "--model", tiny_model, "--data-parallel-size", "2"]) == 2
     assert "pip install 'nano-vllm[ray]'" in capsys.readouterr().err
+
+
+def test_an_engine_failure_aborts_the_batch_left_unfinished():
+    from nanovllm.ray import _Replica
+    aborted = []
+    handles = [SimpleNamespace(result=lambda: 1 / 0, finished=i == 1, abort=lambda i=i: aborted.append(i))
+               for i in range(3)]
+    with pytest.raises(ZeroDivisionError):
+        _Replica._collect(None, [None, *handles])
+    assert aborted == [0, 2]

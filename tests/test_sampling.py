@@ -402,8 +402,9 @@ def test_chat_applies_the_template(llm):
     one_chat, two = chat(llm, conversation), chat(llm, [conversation, [{"role": "user", "content": "and you?"}]])
     assert one_chat[0]["token_ids"] == expected == two[0]["token_ids"]
     assert len(two) == 2 and two[1]["token_ids"] != two[0]["token_ids"]
-    with pytest.raises(TypeError, match="role"):
-        chat(llm, [{"text": "no role"}])
+    for bad in ([], [{"text": "no role"}], [{"role": "user"}], [*conversation, {"text": "no role"}]):
+        with pytest.raises(TypeError, match="role|non-empty"):
+            chat(llm, bad)
     # a chat_template with chat_template_kwargs
     plain = chat(llm, conversation, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"
                  "{% if shout %}!{% endif %}", chat_template_kwargs={"shout": True})
@@ -437,6 +438,7 @@ def test_chat_without_a_template_is_a_clear_error(llm, monkeypatch):
     monkeypatch.setattr(llm.tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="has no chat template; pass chat_template="):
         chat(llm, [{"role": "user", "content": "hi"}])
+    chat(llm, [{"role": "user", "content": "hi"}], chat_template="{{ messages[0]['content'] }}")
     assert_still_serves(llm)
 
 

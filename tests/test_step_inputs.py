@@ -35,7 +35,7 @@ def test_staging_packs_arrays_into_one_buffer():
         tensors = staging.to_device(*arrays)
         assert staging.turn == (step + 1) % 2
         for a, t in zip(arrays, tensors, strict=True):
-            assert t.dtype == torch.from_numpy(a).dtype and t.shape == a.shape
+            assert t.dtype == torch.from_numpy(a).dtype and t.shape == a.shape and t.data_ptr() % 16 == 0
             assert np.array_equal(t.numpy(), a)
         tensors[0].fill_(-1)  # views of one packed copy: no piece overlaps another
         assert np.array_equal(tensors[1].numpy(), arrays[1])

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import varlen_graphs as varlen_graphs_module
@@ -17,8 +17,7 @@ from nanovllm.engine.varlen_graphs import FINE_FROM, FINE_STEP, VarlenGraphs, gr
 from nanovllm.layers import triton_attention
 from nanovllm.layers.triton_attention import max_varlen_tiles, varlen_tile_map
 from tests import test_overlap
-from tests.conftest import assert_greedy_matches_hf
-from tests.conftest import greedy
+from tests.conftest import assert_greedy_matches_hf, greedy
 from tests.test_overlap import same_outputs
 from tests.test_piecewise_graphs import Rerun
 
@@ -156,12 +155,15 @@ MODEL = SimpleNamespace(model=SimpleNamespace(
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 30), min_size=1, max_size=12), st.integers(0, 12), st.sampled_from([0, 2, 32]))
+@example([30, 18], 12, 0)  # the largest size
+@example([1, 1, 5], 12, 2)  # split decodes
 def test_steps_the_graphs_do_not_take_run_eagerly(query_lens, max_seqs, split_decodes):
     """A graph takes a step that fits, of at most MAX_SEQS sequences, whose decodes eager would not split off."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(varlen_graphs_module, "MAX_SEQS", max_seqs)
         patch.setattr(triton_attention, "SPLIT_DECODES", split_decodes)
-        graphs = VarlenGraphs(MODEL, 48, 16, 256, 16, torch.device("cpu"), capture=Rerun)  # Rerun captures nothing
+        graphs = VarlenGraphs(MODEL, 48, 16, 250, 16, torch.device("cpu"), capture=Rerun)  # Rerun captures nothing
+        assert graphs.inputs.vars["block_tables"].shape[1] == 16  # the blocks of max_model_len
         seqs = []
         for n in sorted(query_lens, key=lambda n: n > 1):  # decodes first, as the scheduler orders them
             seq = Sequence(list(range(3, 3 + n + 2)))
