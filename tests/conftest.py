@@ -137,6 +137,12 @@ def in_background(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
     return thread, outcome
 
 
+def raising(error: BaseException):
+    def fn(*args, **kwargs):
+        raise error
+    return fn
+
+
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
@@ -153,8 +159,7 @@ def within(seconds: float, fn, *args, **kwargs):
 
 def full_rebuild_penalties(logits: torch.Tensor, histories: list[tuple[list[int], list[int]]], params: list
                            ) -> torch.Tensor:
-    """Repetition, frequency and presence penalties from [rows, vocab] masks rebuilt from each row's (prompt,
-    output) tokens: the engine's incremental device state must give the same logits bit for bit."""
+    """The penalties from masks rebuilt from each row's (prompt, output): the engine's state must match bit for bit."""
     seen = torch.zeros(logits.shape, dtype=torch.bool)
     counts = torch.zeros(logits.shape)
     for row, (prompt, output) in enumerate(histories):
@@ -171,8 +176,7 @@ def full_rebuild_penalties(logits: torch.Tensor, histories: list[tuple[list[int]
 
 
 def kill_worker_while_decoding(llm, prompts, params, settle: float = 0.2) -> tuple[threading.Thread, dict, float]:
-    """`llm.generate(prompts, params)` in the background, the last tensor-parallel worker killed `settle` s after
-    every prompt runs: the generate thread, its outcome and the kill's time."""
+    """generate() in the background, the last worker killed `settle` s after all run: thread, outcome, kill time."""
     thread, outcome = in_background(llm.generate, prompts, params, use_tqdm=False)
     deadline = time.monotonic() + 60
     while llm.stats()["num_running"] < len(prompts) and time.monotonic() < deadline:

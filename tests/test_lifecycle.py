@@ -19,7 +19,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.sequence import PENDING
 from nanovllm.engine.step_output import StepOutput
-from tests.conftest import ROOT, greedy as greedy_params, in_background, within
+from tests.conftest import ROOT, greedy as greedy_params, in_background, raising, within
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)  # runs for over 10 s on the tiny model
@@ -70,10 +70,11 @@ def assert_serves_on(llm: LLM, expected: list[int] | None = None, seconds: float
     assert tokens == expected if expected is not None else len(tokens) == 8
 
 
-def raising(error: BaseException):
-    def fn(*args, **kwargs):
-        raise error
-    return fn
+class Fake:
+    """An engine or a handle as an EngineLoop holds it (weakly), with the given attributes."""
+
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
 
 
 def running(llm: LLM):
@@ -393,8 +394,7 @@ def test_an_interrupt_while_a_step_takes_requests_in_orphans_none(own_llm, monke
 
 
 def test_an_aborted_request_leaves_the_table_of_requests(own_llm):
-    """An abort ends the request and takes it out of the engine's table: a server whose clients go away does not
-    keep every handle it aborted (and its output) for good."""
+    """An abort ends the request and takes it out of the engine's table: a server keeps no aborted handle for good."""
     running, queued = own_llm.add_request(PROMPT, LONG), own_llm.add_request([8, 9], LONG)
     own_llm.step()
     running.abort()
@@ -407,8 +407,7 @@ def test_an_aborted_request_leaves_the_table_of_requests(own_llm):
 
 
 def test_a_request_that_close_ended_on_its_way_in_is_not_scheduled(own_llm, monkeypatch):
-    """close() in another thread may end a request just after a step took it from the inbox: the step then leaves
-    it out of the scheduler (it would compute for a request that nobody reads, holding its blocks)."""
+    """A request that close() ends just after a step took it in is not scheduled (no reader; it would hold blocks)."""
     loop, take = own_llm._loop, own_llm._loop.take_inbox
 
     def take_then_close():
@@ -456,14 +455,8 @@ def test_a_request_whose_own_bookkeeping_fails_fails_alone(llm, own_llm, callbac
 
 def test_stop_on_the_loop_thread_itself_returns_instead_of_failing():
     """Finalized on its own loop thread, stop() cannot wait for that thread: it returns True."""
-    outcome = {}
-
-    class Engine:
-        def _run_once(self):
-            outcome["stopped"] = loop.stop(timeout=5)
-            return False
-
-    fake = Engine()
+    outcome, fake = {}, Fake()
+    fake._run_once = lambda: outcome.update(stopped=loop.stop(timeout=5))  # (None: idle)
     loop = EngineLoop(fake)
     loop.start()
     loop.thread.join(10)
@@ -515,23 +508,15 @@ def test_an_engine_not_closed_is_torn_down_before_the_interpreter_exits(tiny_mod
 
 def test_a_failed_loop_fails_each_request_once_and_lets_go_of_it():
     """fail() fails every request, taken in or in the inbox, and lets go of them."""
-    failures = []
+    failures, fake, error = [], Fake(), RuntimeError("a worker died")
 
-    class Engine:  # what an EngineLoop holds, weakly
-        pass
+    def handle(request_id):
+        return Fake(request_id=request_id, _on_error=lambda error: failures.append((request_id, error)))
 
-    class Handle:
-        def __init__(self, request_id):
-            self.request_id = request_id
-
-        def _on_error(self, error):
-            failures.append((self.request_id, error))
-
-    fake, error = Engine(), RuntimeError("a worker died")
     loop = EngineLoop(fake)
-    loop.post("add", Handle(1))
+    loop.post("add", handle(1))
     loop.take_inbox()
-    loop.post("add", Handle(2))
+    loop.post("add", handle(2))
     loop.fail(error)
     assert sorted(failures, key=lambda f: f[0]) == [(1, error), (2, error)]
     assert loop.handles == {} and loop.inbox == []
@@ -542,15 +527,8 @@ def test_a_failed_loop_fails_each_request_once_and_lets_go_of_it():
 
 @pytest.mark.parametrize("end", ["fail", "stop"])
 def test_an_ended_loop_queues_no_abort_and_later_calls_name_the_first_cause(end):
-    """Once a loop has failed or stopped, every request has finished: a later abort is moot and is not queued (the
-    inbox would hold its handle for good). A later call's error is chained to what killed the loop."""
-    class Engine:  # what an EngineLoop holds, weakly
-        pass
-
-    class Handle:
-        pass
-
-    fake = Engine()
+    """Ended, a loop queues no abort (moot; the inbox would hold it for good); a later call's error chains the cause."""
+    fake = Fake()
     loop, bug = EngineLoop(fake), ValueError("a bug in a step")
     if end == "fail":
         failure = RuntimeError("the engine's loop thread stopped")
@@ -558,7 +536,7 @@ def test_an_ended_loop_queues_no_abort_and_later_calls_name_the_first_cause(end)
         loop.fail(failure)
     else:
         assert loop.stop(timeout=5)
-    handle = Handle()
+    handle = Fake()
     gone = weakref.ref(handle)
     loop.post("abort", handle)
     del handle

@@ -17,7 +17,7 @@ from nanovllm.config import Config
 from nanovllm.run_batch import build_parser, count_lines, main
 from tests.batch_util import (CHAT, COMPLETIONS, choices, main_here, read_results, request, tear_first_line_then_signal,
                               write_lines)
-from tests.conftest import in_background, within
+from tests.conftest import greedy, in_background, within
 
 MAX_MODEL_LEN = 128
 
@@ -40,14 +40,10 @@ def on_submit(llm, monkeypatch, act):
     monkeypatch.setattr(llm, "submit", submit_then_act)
 
 
-def run(llm, input_path, output_path, *flags) -> int:
+def run(llm, input_path, output_path, *flags, here=False) -> int:
+    """run_batch's main on a thread, or on this one (`main_here`) where signals are handled."""
     argv = ["-i", str(input_path), "-o", str(output_path), "--model", llm.config.model, "--no-progress", *flags]
-    return within(120, main, argv, llm=llm)
-
-
-def run_here(llm, input_path, output_path) -> int:
-    return main_here(["-i", str(input_path), "-o", str(output_path), "--model", llm.config.model, "--no-progress"],
-                     llm=llm)
+    return main_here(argv, llm=llm) if here else within(120, main, argv, llm=llm)
 
 
 def files(tmp_path, lines):  # (in.jsonl holding `lines`, out.jsonl)
@@ -61,55 +57,47 @@ def numbered(count: int, max_tokens: int, second: dict | None = None) -> list[di
     return lines
 
 
+def short(count: int) -> list[dict]:
+    return [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(count)]
+
+
 def user(content) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
 def test_results_equal_generate_and_chat(llm, tmp_path):
-    greedy = dict(temperature=0, ignore_eos=True)
-    plain = llm.generate(["Once upon a time"], SamplingParams(max_tokens=12, **greedy), use_tqdm=False)[0]["text"]
+    def expect(prompts, params):
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    plain = expect(["Once upon a time"], greedy(12))[0]["text"]
     stop = plain[4:6].strip() or plain[4:6]  # a string the greedy output is known to contain
     conversation = [{"role": "system", "content": "Be brief."}, *user("Hi!")]
-    lines = [
-        request("text", prompt="Hello there", max_tokens=10, temperature=0),
-        request("ids", prompt=[5, 6, 7, 8], max_tokens=6, temperature=0, logprobs=3),
-        request("stop", prompt="Once upon a time", max_tokens=12, temperature=0, stop=[stop], ignore_eos=True),
+    texts = {  # custom_id: the prompts, and the fields a line and SamplingParams share (all greedy)
+        "text": (["Hello there"], dict(max_tokens=10)), "ids": ([[5, 6, 7, 8]], dict(max_tokens=6, logprobs=3)),
+        "stop": (["Once upon a time"], dict(max_tokens=12, stop=[stop], ignore_eos=True)),
+        "two": (["The sea", "The moon"], dict(max_tokens=5)),
+        "penalty": (["the the the"], dict(max_tokens=9, presence_penalty=1.5, frequency_penalty=0.5, top_p=0.9)),
+        "usage": (["The sea is", "The moon over the hills"], dict(max_tokens=2))}
+    lines = [request(k, prompt=p if len(p) > 1 else p[0], temperature=0, **kw) for k, (p, kw) in texts.items()] + [
         request("chat", CHAT, messages=conversation, max_completion_tokens=8, temperature=0, logprobs=True,
                 top_logprobs=2),
         request("parts", CHAT, messages=user([{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]),
                 max_tokens=5, temperature=0),
         request("seeded", CHAT, messages=conversation, max_tokens=7, n=2, seed=7, temperature=1.0),
-        request("two", prompt=["The sea", "The moon"], max_tokens=5, temperature=0),
-        request("penalty", prompt="the the the", max_tokens=9, temperature=0, presence_penalty=1.5,
-                frequency_penalty=0.5, top_p=0.9),
         request("unbounded", prompt=list(range(3, 123)), temperature=0, ignore_eos=True),  # to max_model_len
         request("full", prompt=list(range(3, 3 + MAX_MODEL_LEN)), temperature=0, ignore_eos=True),  # fits exactly
-        request("usage", prompt=["The sea is", "The moon over the hills"], max_tokens=2, temperature=0),
     ]
     inp, out = files(tmp_path, lines)
     assert run(llm, inp, out) == 0
     results = read_results(out)
     assert sorted(results) == sorted(line["custom_id"] for line in lines)
-
-    def expect(prompts, **params):
-        each = params.pop("each", None)
-        sampling = [SamplingParams(**p) for p in each] if each else SamplingParams(**params)
-        return llm.generate(prompts, sampling, use_tqdm=False)
-
     chat_ids = llm.apply_chat_template(conversation)
-    expected = {
-        "text": expect(["Hello there"], temperature=0, max_tokens=10),
-        "ids": expect([[5, 6, 7, 8]], temperature=0, max_tokens=6, logprobs=3),
-        "stop": expect(["Once upon a time"], temperature=0, max_tokens=12, stop=[stop], ignore_eos=True),
+    expected = {k: expect(p, SamplingParams(temperature=0, **kw)) for k, (p, kw) in texts.items()} | {
         "chat": llm.chat(conversation, SamplingParams(temperature=0, max_tokens=8, logprobs=2), use_tqdm=False),
         "parts": llm.chat(user("Hi!"), SamplingParams(temperature=0, max_tokens=5), use_tqdm=False),
-        "seeded": expect([chat_ids, chat_ids], each=[dict(max_tokens=7, seed=7), dict(max_tokens=7, seed=8)]),
-        "two": expect(["The sea", "The moon"], temperature=0, max_tokens=5),
-        "penalty": expect(["the the the"], temperature=0, max_tokens=9, presence_penalty=1.5,
-                          frequency_penalty=0.5, top_p=0.9),
-        "unbounded": expect([list(range(3, 123))], temperature=0, ignore_eos=True, max_tokens=MAX_MODEL_LEN - 120),
-        "full": expect([list(range(3, 3 + MAX_MODEL_LEN))], temperature=0, ignore_eos=True, max_tokens=1),
-        "usage": expect(["The sea is", "The moon over the hills"], temperature=0, max_tokens=2),
+        "seeded": expect([chat_ids] * 2, [SamplingParams(max_tokens=7, seed=seed) for seed in (7, 8)]),
+        "unbounded": expect([list(range(3, 123))], greedy(MAX_MODEL_LEN - 120)),
+        "full": expect([list(range(3, 3 + MAX_MODEL_LEN))], greedy(1)),
     }
     for custom_id, outputs in expected.items():
         result = results[custom_id]
@@ -304,19 +292,18 @@ def test_a_signal_as_the_run_closes_waits_for_its_clean_up(llm, tmp_path, monkey
         close(self)
 
     monkeypatch.setattr(ResultsFile, "close", signalled_close)
-    inp, out = files(tmp_path, [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(3)])
-    assert run_here(llm, inp, out) == status
+    inp, out = files(tmp_path, short(3))
+    assert run(llm, inp, out, here=True) == status
     assert len(read_results(out)) == 3 and "3 lines: 3 served" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("first, counted", [(None, ["1 served", "1 stopped before"]), ("not json", ["1 failed"])])
 def test_a_signal_never_cuts_a_result_line(llm, tmp_path, monkeypatch, capsys, first, counted):
-    """(stdout's reader could not repair a torn one.) A SIGTERM as a pipe takes part of the first line, a result
-    or an error line: the rest follows, the line is counted, and the run stops."""
-    lines = [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(2)]
+    """A SIGTERM as a pipe takes part of the first line (result or error): the rest follows, counted; the run stops."""
+    lines = short(2)
     inp, out = files(tmp_path, [first] + lines if first else lines)
     signalled = tear_first_line_then_signal(monkeypatch)
-    assert run_here(llm, inp, out) == 143
+    assert run(llm, inp, out, here=True) == 143
     monkeypatch.undo()
     assert signalled and len(read_results(out)) == 1
     err = capsys.readouterr().err
@@ -324,8 +311,7 @@ def test_a_signal_never_cuts_a_result_line(llm, tmp_path, monkeypatch, capsys, f
 
 
 def test_signals_held_delivers_each_signal_that_came_once_after_the_block():
-    """A SIGTERM and a SIGINT that arrive while a result line is written both reach their handlers after it (a
-    second SIGTERM adds nothing): holding a signal must not lose another."""
+    """A SIGTERM and a SIGINT held while a line is written both reach their handlers after it; a second adds nothing."""
     got = []
     previous = {signum: signal.signal(signum, lambda signum, frame: got.append(signum))
                 for signum in (signal.SIGINT, signal.SIGTERM)}
@@ -341,8 +327,7 @@ def test_signals_held_delivers_each_signal_that_came_once_after_the_block():
 
 
 def test_signals_held_leaves_a_handler_set_outside_python_alone(monkeypatch):
-    """Where a signal's handler was set outside Python (getsignal gives None), signals_held cannot put it back
-    afterwards, so it holds nothing: the signal reaches its handler at once."""
+    """A handler set outside Python (getsignal: None) cannot be put back: nothing is held, the signal runs it now."""
     got = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     try:
@@ -356,7 +341,7 @@ def test_signals_held_leaves_a_handler_set_outside_python_alone(monkeypatch):
 
 
 def test_exit_status_and_a_finished_file_is_left_alone(llm, tmp_path):
-    lines = [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(3)]
+    lines = short(3)
     inp, out = files(tmp_path, [b"\xef\xbb\xbf" + json.dumps(lines[0]).encode(), *lines[1:]])  # an editor's BOM
     assert run(llm, inp, out) == 0
     before = out.read_bytes()

@@ -42,6 +42,10 @@ def chat(llm, conversation, **kwargs) -> list[dict]:
     return llm.chat(conversation, greedy(), use_tqdm=False, **kwargs)
 
 
+def batch_of(seqs, eos_token_ids=frozenset(), vocab=64, slots=None) -> SamplingBatch:
+    return build_sampling_batch(seqs, eos_token_ids, vocab, torch.from_numpy, slots)
+
+
 def assert_still_serves(llm):
     assert len(one(llm, "fine", greedy(3))["token_ids"]) == 3
 
@@ -58,12 +62,12 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 
 
 def test_plain_rows_take_the_fast_path():
-    def batch_of(*params):
-        return build_sampling_batch([Sequence([5, 6], p) for p in params], frozenset([1, 64]), 64, torch.from_numpy)
+    def of(*params):
+        return batch_of([Sequence([5, 6], p) for p in params], frozenset([1, 64]))
 
-    plain = batch_of(SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=0.7, stop="x"))
+    plain = of(SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=0.7, stop="x"))
     assert plain.is_plain and plain.temperatures.tolist() == pytest.approx([1.0, 0.0, 0.7])
-    full = batch_of(SamplingParams(), SamplingParams(top_k=3), SamplingParams(min_tokens=2, stop_token_ids=[63]))
+    full = of(SamplingParams(), SamplingParams(top_k=3), SamplingParams(min_tokens=2, stop_token_ids=[63]))
     assert not full.is_plain
     assert full.top_k.tolist() == [64, 3, 64] and full.top_p is None and full.penalties is None
     assert full.banned[2, 1] and full.banned[2, 63] and not full.banned[:2].any()  # only the row short of min_tokens
@@ -133,11 +137,10 @@ def test_top_p_keeps_a_token_while_the_likelier_ones_hold_less(top_p, kept):
 
 
 def test_turned_off_top_k_and_top_p_keep_every_token_beside_rows_that_use_them():
-    """top_k=-1 (off, as 0) and top_p=1 keep the whole vocabulary also in a batch whose other rows use them, even
-    where one token holds all the probability in float32 (so the mass before every other token is 1.0)."""
+    """top_k=-1 (as 0) and top_p=1 keep every token beside rows using them, even where one token has all the mass."""
     seqs = [Sequence([5, 6], SamplingParams(top_k=-1, top_p=1.0, seed=1)),
             Sequence([5, 6], SamplingParams(top_k=2, top_p=0.5))]
-    batch = build_sampling_batch(seqs, frozenset([1]), 64, torch.from_numpy)
+    batch = batch_of(seqs, frozenset([1]))
     logits = torch.zeros(2, 64)
     logits[:, 7] = 30.0
     kept = apply_min_p_top_k_top_p(logits, batch.min_p, batch.top_k, batch.top_p).isfinite()
@@ -175,18 +178,17 @@ def test_a_seeded_requests_draws_differ_from_position_to_position():
     sampler, seq = Sampler(), Sequence([5, 6], SamplingParams(temperature=1.0, seed=3))
     tokens, seeds = [], []
     for _ in range(8):
-        batch = build_sampling_batch([seq], frozenset([1]), 64, torch.from_numpy)
+        batch = batch_of([seq], frozenset([1]))
         seeds.append(batch.seeds[0][1])
         tokens.append(sampler.sample(torch.zeros(1, 64), batch)[0].item())
         seq.append_token(tokens[-1])
     assert len(set(tokens)) > 1
     seq = Sequence([5], SamplingParams(seed=4))  # not seed 3's, shifted
-    assert build_sampling_batch([seq], frozenset(), 64, torch.from_numpy).seeds[0][1] not in seeds
+    assert batch_of([seq]).seeds[0][1] not in seeds
 
 
 def test_a_seeded_request_continued_from_its_own_output_draws_the_same(llm):
-    """A seed fixes the draw at each position of the sequence, prompt and output alike: a request whose prompt is
-    another's prompt plus the start of its output, with the same seed, continues that output."""
+    """A seed fixes each position's draw: a prompt plus the start of its seeded output, same seed, continues it."""
     prompt = prompts(1, seed=6)[0]
     expected = one(llm, prompt, sampled(max_tokens=12, seed=11))["token_ids"]
     for j in (1, 5):
@@ -308,14 +310,14 @@ def test_penalties_from_slots_equal_a_full_rebuild(histories, settings_, seed):
     for step in range(max(len(output) - known for _, output, known in histories)):
         sampling = [(seq, output[known + step]) for seq, (_, output, known) in zip(seqs, histories)
                     if known + step < len(output)]
-        batch = build_sampling_batch([seq for seq, _ in sampling], frozenset(), vocab, torch.from_numpy, slots)
+        batch = batch_of([seq for seq, _ in sampling], vocab=vocab, slots=slots)
         if batch.penalties is not None:
             slots.append(batch.penalties, torch.tensor([t for _, t in sampling]))
         for seq, _ in sampling:
             seq.append_pending(0)  # the host does not need its value
     logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(seed)) * 3
     logits[:, 3::7] = 0  # the repetition penalty leaves zeros
-    got = apply_penalties(logits, build_sampling_batch(seqs, frozenset(), vocab, torch.from_numpy, slots))
+    got = apply_penalties(logits, batch_of(seqs, vocab=vocab, slots=slots))
     rows = [(prompt, output) for prompt, output, _ in histories]
     assert torch.equal(got, full_rebuild_penalties(logits, rows, params))
     for row, ((prompt, output), p) in enumerate(zip(rows, params)):
@@ -337,7 +339,7 @@ def test_each_penalty_applies_alone(setting):
             seq.append_token(t)
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)) * 3
     slots = PenaltySlots(64, 16, 2, torch.device("cpu"))
-    got = apply_penalties(logits, build_sampling_batch(seqs, frozenset(), 64, torch.from_numpy, slots))
+    got = apply_penalties(logits, batch_of(seqs, slots=slots))
     torch.testing.assert_close(got[0], reference_penalties(logits[0], prompt, output, *setting))
     assert torch.equal(got[1], logits[1])
 

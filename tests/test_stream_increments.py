@@ -1,5 +1,4 @@
-"""A request handle's increments, without an engine: text is made only when something reads it (a reader, an
-asyncio listener, or stop strings), and whenever a reader comes, what it gets adds up to the output."""
+"""A request handle's increments, no engine: text made only when read (reader, listener, stop strings), adding up."""
 import asyncio
 import threading
 from types import SimpleNamespace
@@ -12,6 +11,7 @@ from nanovllm import SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, text_decoder
 from nanovllm.engine.request import RequestHandle
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from tests.conftest import within
 
 PROMPT = [5, 6, 7]
 # the tiny byte-level vocabulary: single bytes (parts of multi-byte characters, invalid UTF-8) and merges
@@ -33,8 +33,8 @@ class CountingTokenizer:
         return self.tokenizer.decode(*args, **kwargs)
 
 
-def make_handle(tokenizer, stop: list[str] = (), stream: bool = True) -> RequestHandle:
-    seq = Sequence(PROMPT, SamplingParams(max_tokens=1000, ignore_eos=True, stop=list(stop)))
+def make_handle(tokenizer, stop: list[str] = (), stream: bool = True, **params) -> RequestHandle:
+    seq = Sequence(PROMPT, SamplingParams(**{"max_tokens": 1000, "ignore_eos": True, "stop": list(stop), **params}))
     return RequestHandle(SimpleNamespace(need_progress=lambda: None), tokenizer, threading.Lock(), seq, stream)
 
 
@@ -50,20 +50,6 @@ def sample(handle: RequestHandle, token_id: int, last: bool = False) -> bool:
     if last or stopped:
         handle._on_finish()
     return stopped
-
-
-def within(fn, seconds: float = 5):
-    """fn() in a thread, failing instead of hanging when it does not return."""
-    box = []
-    reader = threading.Thread(target=lambda: box.append(fn()), daemon=True)
-    reader.start()
-    reader.join(seconds)
-    assert box, "no increment came"
-    return box[0]
-
-
-def next_within(increments):
-    return within(lambda: next(increments))
 
 
 def test_a_handle_read_only_through_result_decodes_once(tokenizer):
@@ -85,12 +71,12 @@ def test_a_reader_that_keeps_up_gets_one_increment_per_token(tokenizer, token_id
     for token_id in token_ids[:-1]:
         sample(handle, token_id)
         expected.append({"token_ids": [token_id], "text": reference.push([token_id]), "finished": False})
-        assert next_within(increments) == expected[-1]
+        assert within(5, next, increments) == expected[-1]
     sample(handle, token_ids[-1], last=True)
     expected.append({"token_ids": token_ids[-1:], "text": tokenizer.decode(token_ids)[len(reference.text):],
                      "finished": True, "finish_reason": "length", "stop_reason": None})
-    assert next_within(increments) == expected[-1]
-    assert within(lambda: list(handle)) == expected
+    assert within(5, next, increments) == expected[-1]
+    assert within(5, list, handle) == expected
 
 
 @settings(max_examples=100, deadline=None)
@@ -108,17 +94,17 @@ def test_a_late_reader_gets_what_it_missed_in_one_increment(tokenizer, token_ids
         if stopped or last:
             break
         if data.draw(st.booleans()):  # the reader looks now: everything since it last looked, at once
-            seen.append(next_within(increments))
+            seen.append(within(5, next, increments))
             assert seen[-1]["token_ids"] == handle.seq.completion_token_ids[read_from:]
             read_from = handle.seq.num_completion_tokens
-    seen += within(lambda: list(increments))
+    seen += within(5, list, increments)
     out = handle.result(timeout=0)
     assert seen[-1]["finished"] and not any(i["finished"] for i in seen[:-1])
     assert sum((i["token_ids"] for i in seen), []) == out["token_ids"]
     assert "".join(i["text"] for i in seen) == out["text"]
     for s in stop:  # held back until it was sure not to be part of a stop string
         assert s not in out["text"]
-    assert within(lambda: list(handle)) == seen  # a second reading replays the same increments
+    assert within(5, list, handle) == seen  # a second reading replays the same increments
 
 
 def test_a_stream_holds_back_what_may_start_a_stop_string(tokenizer):
@@ -127,15 +113,14 @@ def test_a_stream_holds_back_what_may_start_a_stop_string(tokenizer):
     increments = iter(handle)
     sample(handle, a)
     sample(handle, b)
-    assert next_within(increments)["text"] == "a"  # "b" may be the start of "bc"
+    assert within(5, next, increments)["text"] == "a"  # "b" may be the start of "bc"
     assert sample(handle, c)
-    assert [i["text"] for i in within(lambda: list(increments))] == [""]
+    assert [i["text"] for i in within(5, list, increments)] == [""]
     assert handle.result(timeout=0)["text"] == "a"
 
 
 def test_each_push_decodes_only_the_newest_tokens_and_their_context(tokenizer):
-    """A push decodes its new tokens with the piece before them as context, never the whole completion again: a
-    long stream costs in proportion to its length, not to its square. The pieces still add up to the decode."""
+    """A push decodes its new tokens with the piece before them, not the whole completion: linear, not quadratic."""
     detokenizer = IncrementalDetokenizer(tokenizer, threading.Lock())
     decode, lengths = detokenizer.decode, []
     detokenizer.decode = lambda token_ids, skip: lengths.append(len(token_ids)) or decode(token_ids, skip)
@@ -146,8 +131,7 @@ def test_each_push_decodes_only_the_newest_tokens_and_their_context(tokenizer):
 
 @pytest.fixture(scope="module")
 def metaspace_tokenizer():
-    """A SentencePiece-style tokenizer (as Llama's and Mistral's): "▁" marks a space, which a decode drops before
-    its first token, so a token's text depends on what comes before it."""
+    """SentencePiece-style (Llama's): "▁" is a space a decode drops before its first token: context matters."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -158,8 +142,7 @@ def metaspace_tokenizer():
 
 
 def test_pieces_keep_the_spaces_of_a_sentencepiece_tokenizer(metaspace_tokenizer):
-    """Each piece is decoded with the token before it as context: a stream of " quick" must not lose its space,
-    and the pieces add up to the whole decode."""
+    """Each piece decoded with the token before it as context: " quick" keeps its space; pieces add up."""
     token_ids = metaspace_tokenizer.encode("the quick brown fox jumps over the lazy dog")
     detokenizer = IncrementalDetokenizer(metaspace_tokenizer, threading.Lock())
     pieces = [detokenizer.push([token_id]) for token_id in token_ids]
@@ -231,7 +214,7 @@ def test_an_error_follows_the_unread_increments(tokenizer):
     sample(handle, 101)
     handle._on_error(RuntimeError("injected"))
     increments = iter(handle)
-    assert next_within(increments)["token_ids"] == [100, 101]
+    assert within(5, next, increments)["token_ids"] == [100, 101]
     with pytest.raises(RuntimeError, match="injected"):
         next(increments)
     with pytest.raises(RuntimeError, match="injected"):
@@ -246,8 +229,7 @@ def test_the_text_decoder_gives_the_tokenizers_text(tokenizer, token_ids, skip):
 
 
 def test_the_text_decoder_skips_the_wrapper_only_where_it_adds_nothing(tokenizer, monkeypatch):
-    """A plain fast tokenizer's text comes from its backend; one that cleans up spaces, or a wrapper (with a
-    _tokenizer or not), through its own decode."""
+    """A plain fast tokenizer's text comes from its backend; one cleaning up spaces, or a wrapper, from its decode."""
     calls = []
     monkeypatch.setattr(tokenizer, "decode", lambda *args, **kwargs: calls.append(args) or "wrapper's")
     assert text_decoder(tokenizer)([5, 6], True) != "wrapper's" and not calls
@@ -265,8 +247,8 @@ def test_the_text_decoder_skips_the_wrapper_only_where_it_adds_nothing(tokenizer
 
 def test_an_abort_leaves_out_the_pending_token_and_leaves_the_sequence_to_the_step(tokenizer):
     # close() ends it while a step still uses its sequence
-    seq = Sequence(PROMPT, SamplingParams(max_tokens=1000, ignore_eos=True, logprobs=0))
-    handle = RequestHandle(SimpleNamespace(need_progress=lambda: None), tokenizer, threading.Lock(), seq, True)
+    handle = make_handle(tokenizer, logprobs=0)
+    seq = handle.seq
     for token_id in (100, 101):
         seq.append_token(token_id, {token_id: -0.5})
         handle._on_token(token_id)
@@ -281,8 +263,8 @@ def test_an_abort_leaves_out_the_pending_token_and_leaves_the_sequence_to_the_st
 
 def test_an_abort_reads_one_end_while_the_step_finishes_the_sequence(tokenizer, monkeypatch):
     # close() copies the tokens, then the step fills the pending token with a stop token and finishes the sequence
-    seq = Sequence(PROMPT, SamplingParams(max_tokens=1000, stop_token_ids=[102]))
-    handle = RequestHandle(SimpleNamespace(need_progress=lambda: None), tokenizer, threading.Lock(), seq, True)
+    handle = make_handle(tokenizer, ignore_eos=False, stop_token_ids=[102])
+    seq = handle.seq
     for token_id in (100, 101):
         seq.append_token(token_id)
         handle._on_token(token_id)

@@ -24,8 +24,8 @@ from nanovllm.engine.workers import worker_died, worker_error
 from nanovllm.layers import embed_head, linear
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 from tests.conftest import (ROOT, assert_greedy_matches_hf, built_on_ranks, in_background, in_processes,
-                            kill_the_worker_as_rank_0_sizes_its_cache, kill_worker_while_decoding, shm_segments,
-                            within)
+                            kill_the_worker_as_rank_0_sizes_its_cache, kill_worker_while_decoding, raising,
+                            shm_segments, within)
 
 LLM = functools.partial(nanovllm.LLM, device="cpu")  # gloo, on GPU machines too (see test_gpu_*)
 TP2 = functools.partial(LLM, kvcache_block_size=16, tensor_parallel_size=2)
@@ -50,12 +50,6 @@ def generate_twice(llm: LLM) -> list[dict]:
 def assert_matches_hf(hf, outputs: list[dict]):
     for prompt, out in zip(PROMPTS, outputs):
         assert_greedy_matches_hf(hf, prompt, out["token_ids"])
-
-
-def raises(error: Exception):
-    def fails(*args):
-        raise error
-    return fails
 
 
 def tp1_ids(model: str) -> list[list[int]]:
@@ -145,7 +139,6 @@ def test_heads_that_do_not_divide_are_refused(tiny_model, tmp_path):
 def at_once_on_ranks(monkeypatch, calls: list) -> list:
     """Each call's result (one a rank), run at once in threads, dist.all_reduce summing across them."""
     from concurrent.futures import ThreadPoolExecutor
-    import torch.distributed as dist
     barrier, parts = threading.Barrier(len(calls), timeout=10), {}
 
     def all_reduce(y):
@@ -442,7 +435,7 @@ def test_an_error_on_rank_0_mid_step_ends_the_engine_without_a_hang(tiny_model):
     llm = TP2(tiny_model)
     generate(llm, PROMPTS[:1])
     embed = llm.model_runner.model.model.embed_tokens
-    embed.forward = raises(ValueError("injected on rank 0"))
+    embed.forward = raising(ValueError("injected on rank 0"))
     with pytest.raises(ValueError, match="injected on rank 0"):
         within(30, generate, llm)
     del embed.forward
@@ -565,7 +558,7 @@ def test_an_error_on_rank_0_between_steps_leaves_a_tp_engine_usable(tiny_model):
     # an error in the bookkeeping after a step's collectives leaves the worker in step
     with TP2(tiny_model) as llm:
         expected = ids(generate(llm))
-        complete, llm.scheduler.complete = llm.scheduler.complete, raises(ValueError("injected after the step"))
+        complete, llm.scheduler.complete = llm.scheduler.complete, raising(ValueError("injected after the step"))
         with pytest.raises(ValueError, match="injected after the step"):
             within(30, generate, llm)
         llm.scheduler.complete = complete

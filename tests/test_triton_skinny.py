@@ -1,6 +1,5 @@
-"""The skinny matmul with fused norm, gate and residual (`triton_skinny`) against the unfused layers in float64:
-rows 1-32, K in one part or several, ragged N and K; on CPU through the interpreter in float32, on a GPU in bf16.
-Then the layers that route to it, and models whose decode steps run through it."""
+"""`triton_skinny` (fused norm, gate, residual) against the unfused layers in float64: rows 1-32, K in parts or not,
+ragged N and K; float32 in the interpreter, bf16 on a GPU. Then the layers and models whose decode steps use it."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,7 +45,7 @@ def rel_error(out, expected):
 
 def float32_bound(x, w, b, norm_weight, gated, expected, tolerance=1e-5, c=4.0):
     """`tolerance`, or `c` float32 eps of each sum of |terms| times the output's derivative in it, relative to the
-    output: met however the output cancels (the example's gate: -0.0054 from terms of ~10.5)."""
+    output: met however it cancels (the example's gate: -0.0054 from terms of ~10.5)."""
     x, bias = normed(x, norm_weight), b.double() if b is not None else 0
     terms = x.abs() @ w.double().abs().T + abs(bias)
     if gated:
