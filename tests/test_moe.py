@@ -258,3 +258,10 @@ def test_fused_kernels_in_a_cuda_graph():
         graph.replay()
         expected = experts_torch(x.float(), gate_up.float(), down.float(), weights.float(), ids)
         torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_a_config_of_no_experts_is_dense_as_in_transformers():
+    from nanovllm.models.decoder import MLPOptions
+    from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
+    config = Qwen3MoeConfig(num_experts=0, intermediate_size=48, moe_intermediate_size=16)
+    assert Qwen3MoeForCausalLM.mlp_options(config, 0) == MLPOptions(48)

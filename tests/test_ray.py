@@ -174,3 +174,10 @@ def test_an_engine_failure_aborts_the_batch_left_unfinished():
     with pytest.raises(ZeroDivisionError):
         _Replica._collect(None, [None, *handles])
     assert aborted == [0, 2]
+
+
+@pytest.mark.parametrize("bad", [dict(concurrency=True), dict(batch_size=0), dict(start_timeout_s=1.5)])
+def test_bad_replica_settings_are_refused(tiny_model, bad):
+    from nanovllm.ray import generate
+    with pytest.raises(ValueError, match=f"{next(iter(bad))}=.* must be an int >= 1"):
+        generate(None, tiny_model, **bad)
