@@ -187,4 +187,4 @@ def test_a_tensor_of_more_than_one_chunk_is_drawn_whole():
     config = rc.hf_config(rc._resolve_config("tiny", dict(vocab_size=100_000)))  # 6.4M weights: 1.5 chunks
     name, embed = next(rc.random_tensors(config))
     assert name == "model.embed_tokens.weight"
-    assert abs(embed.view(-1)[1 << 22:].std().item() - 64 ** -0.5) < 1e-3  # the last chunk's, not torch.empty's
+    assert abs(embed.view(-1)[1 << 22:].std().item() - config.hidden_size ** -0.5) < 1e-3  # the last chunk's
