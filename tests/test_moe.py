@@ -242,6 +242,11 @@ def test_fused_kernels_cuda_bf16(case):
 
 
 @pytest.mark.gpu
+def test_fused_kernels_cuda_float32_take_no_tf32():  # tf32's 10-bit products would miss by ~1e-3
+    check_kernels((64, 16, 4, 256, 128, None, "random"), device="cuda", tol=1e-4)
+
+
+@pytest.mark.gpu
 def test_fused_kernels_in_a_cuda_graph():
     """Captured once, replayed with other routings: no host value is baked in."""
     from nanovllm.layers import triton_moe
