@@ -801,6 +801,49 @@ def test_nano_vllm_add_request_step_loop(tiny_model):
     assert [outputs[i] for i in request_ids] == [o["token_ids"] for o in expected]
 
 
+def step_until_finished(llm) -> list:
+    reported = []
+    while not llm.is_finished():
+        reported += llm.step()[0]
+    return reported
+
+
+def test_a_step_loop_gets_its_requests_when_the_loop_thread_steps_them_too(own_llm):
+    """Once generate() started the loop thread, it steps add_request's requests too: step() still returns each one
+    once, finished by the thread before the loop began (first round) or while it runs (second)."""
+    prompts = [[3 + i, 40 + i, 7] for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + 3 * i, ignore_eos=True) for i in range(8)]
+    expected = [out["token_ids"] for out in own_llm.generate(prompts, params)]
+    for thread_first in (True, False):
+        handles = [own_llm.add_request(prompt, sp) for prompt, sp in zip(prompts, params)]
+        if thread_first:
+            wait_until(lambda: all(handle.finished for handle in handles))
+        reported = within(60, step_until_finished, own_llm)
+        assert sorted(request_id for request_id, _ in reported) == [handle.request_id for handle in handles]
+        assert [dict(reported)[handle.request_id] for handle in handles] == expected
+
+
+def test_a_request_on_its_way_into_the_scheduler_is_not_finished(own_llm, monkeypatch):
+    add, seen = own_llm.scheduler.add, []
+    monkeypatch.setattr(own_llm.scheduler, "add", lambda seq: (seen.append(own_llm.is_finished()), add(seq)))
+    own_llm.add_request(PROMPT, GREEDY)
+    own_llm.step()
+    assert seen == [False]
+
+
+@pytest.mark.parametrize("finished_first", [True, False])
+def test_a_request_waited_on_is_not_left_for_step(own_llm, finished_first):
+    """add_request's request read through its handle (which starts the loop thread) is the reader's: step() does
+    not return it, and is_finished() does not wait for it, whether it finished before the wait or after."""
+    own_llm.generate([PROMPT], GREEDY)
+    handle = own_llm.add_request(PROMPT, GREEDY)
+    if finished_first:
+        wait_until(lambda: handle.finished)
+    within(10, handle.result)
+    wait_until(own_llm.is_finished)
+    assert own_llm.step()[0] == []
+
+
 @pytest.mark.parametrize("async_scheduling, counts", [(True, [3, -1, -1, 0]), (False, [3, -1])])
 def test_step_counts_prefill_tokens_then_minus_decodes_until_the_token_in_flight_is_dropped(
         tiny_model, monkeypatch, async_scheduling, counts):

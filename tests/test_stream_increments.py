@@ -35,7 +35,7 @@ class CountingTokenizer:
 
 def make_handle(tokenizer, stop: list[str] = (), stream: bool = True, **params) -> RequestHandle:
     seq = Sequence(PROMPT, SamplingParams(**{"max_tokens": 1000, "ignore_eos": True, "stop": list(stop), **params}))
-    return RequestHandle(SimpleNamespace(need_progress=lambda: None), tokenizer, threading.Lock(), seq, stream)
+    return RequestHandle(SimpleNamespace(need_progress=lambda handle: None), tokenizer, threading.Lock(), seq, stream)
 
 
 def sample(handle: RequestHandle, token_id: int, last: bool = False) -> bool:

@@ -99,13 +99,17 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestHandle:
         """nano-vllm's way: queue a request for your own `step()` loop (no background thread steps it, until
-        something waits on its handle)."""
+        something waits on a handle or `generate()` or `submit()` ran; `step()` returns it finished either way)."""
         return self._submit([self.encode(prompt)], [self._check_params(sampling_params)], stream=False,
                             start=False)[0]
 
     def is_finished(self) -> bool:
-        """True when no request is queued or running."""
-        return not self._loop.inbox and self.scheduler.is_finished() and self._in_flight is None
+        """True when no request is queued or running, and `step()` has returned each finished `add_request` one."""
+        loop = self._loop
+        with loop.cond:  # (under which requests move from the inbox to the table)
+            queued = loop.inbox or loop.handles
+        # the table before `unreported`: a request enters `unreported` before it leaves the table
+        return not queued and not loop.unreported and self.scheduler.is_finished() and self._in_flight is None
 
     def stats(self) -> dict:
         bm = self.scheduler.block_manager
@@ -140,8 +144,8 @@ class LLMEngine:
     def _submit(self, token_ids: list[list[int]], params: list[SamplingParams], stream: bool,
                 listener=None, start: bool = True) -> list[RequestHandle]:
         self.check_workers()
-        handles = [RequestHandle(self._loop, self.tokenizer, self._tokenizer_lock, Sequence(ids, p), stream)
-                   for ids, p in zip(token_ids, params)]
+        handles = [RequestHandle(self._loop, self.tokenizer, self._tokenizer_lock, Sequence(ids, p), stream,
+                                 for_step=not start) for ids, p in zip(token_ids, params)]
         if listener is not None:
             handles[0]._add_listener(listener)
         try:
@@ -189,14 +193,17 @@ class LLMEngine:
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
         """nano-vllm's step, for `add_request` + `while not llm.is_finished(): llm.step()` loops: take in new
-        requests, run one step; returns the (request id, completion token ids) of the requests it finished,
-        and its prefill tokens (> 0) or, for a decode-only step, minus its decode tokens."""
+        requests, run one step; returns the (request id, completion token ids) of the requests it finished and
+        of the `add_request` ones finished since the last call (by the background thread, once it runs), and its
+        prefill tokens (> 0) or, for a decode-only step, minus its decode tokens."""
         self.check_workers()
         with self._loop.step_lock:
             self._loop.check()  # close() may have begun while this call waited for the lock
             self._take_inbox()
             finished, num_prefill, num_decode = self._step()
-        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_prefill or -num_decode
+            done, self._loop.unreported = self._loop.unreported, {}
+        done.update((seq.seq_id, seq.completion_token_ids) for seq in finished)
+        return list(done.items()), num_prefill or -num_decode
 
     def _step(self) -> tuple[list[Sequence], int, int]:
         """One step (under `step_lock`); returns the sequences it finished and how many prefill and decode
@@ -294,6 +301,7 @@ class LLMEngine:
                     self.scheduler.finish(seq, "stop")
                     finished.append(seq)
         for seq in finished:
+            self._loop.keep_for_step(handles.get(seq.seq_id))  # before it leaves the table, for is_finished()
             handle = handles.pop(seq.seq_id, None)  # (None: failed above, or a close() in another thread)
             if handle is not None:
                 try:

@@ -34,7 +34,7 @@ class RequestHandle:
     """
 
     def __init__(self, loop: "EngineLoop", tokenizer, tokenizer_lock: threading.Lock, seq: Sequence,
-                 stream: bool):
+                 stream: bool, for_step: bool = False):
         self._loop = loop
         self._tokenizer, self._tokenizer_lock = tokenizer, tokenizer_lock
         self.seq = seq
@@ -54,6 +54,7 @@ class RequestHandle:
         self._done = threading.Event()
         self._output: dict | None = None
         self._error: BaseException | None = None
+        self.for_step = for_step  # `add_request`'s: `step()` returns it finished, unless a reader waited on it
         # failed with an error of its own (`LLMEngine._fail_request`: its bookkeeping raised), the engine and the
         # requests beside it going on; False for a step's error, which every request in flight shares
         self.failed_alone = False
@@ -73,7 +74,7 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> dict:
         """The same dict that `generate()` returns for this prompt. A timeout leaves the request running:
         call `abort()` to end it."""
-        self._loop.need_progress()
+        self._loop.need_progress(self)
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s (it is still "
                                "running: abort() ends it)")
@@ -82,7 +83,7 @@ class RequestHandle:
         return self._output
 
     def __iter__(self):
-        self._loop.need_progress()
+        self._loop.need_progress(self)
         index = 0
         while True:
             with self._changed:
@@ -247,6 +248,8 @@ class EngineLoop:
         self.cond = threading.Condition()
         self.inbox: list[tuple[str, RequestHandle]] = []
         self.handles: dict[int, RequestHandle] = {}  # taken into the scheduler, not yet finished
+        # `add_request` requests finished, by whoever stepped them (this thread too), for `step()` to return
+        self.unreported: dict[int, list[int]] = {}
         self.step_lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.stopping = False
@@ -279,10 +282,20 @@ class EngineLoop:
         with self.cond:
             self.inbox[:0] = items
 
-    def need_progress(self):
-        """A reader waits: make sure someone steps (an `add_request` request is stepped by its caller until then)."""
+    def need_progress(self, handle: RequestHandle):
+        """A reader waits on `handle`: make sure someone steps (an `add_request` request is stepped by its caller
+        until then); `step()` no longer returns it."""
+        with self.cond:  # (as `keep_for_step` reads the mark)
+            handle.for_step = False
+            self.unreported.pop(handle.request_id, None)
         if self.thread is None and self.engine_ref() is not None and not self.stopping:
             self.start()
+
+    def keep_for_step(self, handle: RequestHandle | None):
+        """A request finished: keep an `add_request` one's tokens for `step()` to return, whoever stepped it."""
+        with self.cond:
+            if handle is not None and handle.for_step:
+                self.unreported[handle.request_id] = handle.seq.completion_token_ids
 
     def check(self):
         """Raise when the engine can take no more work, naming why."""
