@@ -173,13 +173,19 @@ def test_lost_race_keeps_winner(tmp_path):
     assert _names(tmp_path) == ["m"]
 
 
-def test_unknown_shape_and_field(tmp_path):
+def test_unknown_shape_and_field(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="tiny"):
         make_random_checkpoint(tmp_path / "x", shape="qwen3-99b")
+    monkeypatch.setattr(rc, "is_complete", lambda *a: True)  # even if cached
     with pytest.raises(ValueError, match="qwen3-0.6b"):
         default_checkpoint("nope")
-    with pytest.raises(ValueError):
-        make_random_checkpoint(tmp_path / "x", hidden_sise=32)
+    for bad, match in [(dict(hidden_sise=32), r"\['hidden_sise'\]"), (dict(model_type="llama"), "model_type"),
+                       (dict(num_key_value_heads=3), "multiple"), (dict(vocab_size=258), ">= 259")]:
+        with pytest.raises(ValueError, match=match):
+            make_random_checkpoint(tmp_path / "x", **bad)
+    rc._resolve_config("tiny", dict(hidden_act="gelu"))  # not in the shape
+    monkeypatch.delitem(SHAPES["tiny-qwen3-moe"], "num_experts")  # then an alias only (transformers 5)
+    rc._resolve_config("tiny-qwen3-moe", dict(num_experts=4))
     assert not (tmp_path / "x").exists()
 
 

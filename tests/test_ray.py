@@ -176,6 +176,16 @@ def test_an_engine_failure_aborts_the_batch_left_unfinished():
     assert aborted == [0, 2]
 
 
+def test_a_replica_reserves_a_cpu_or_a_gpu_per_rank(monkeypatch):
+    from nanovllm.ray import _map_replicas
+    for gpus, cpus in ((0, 2), (2, 1)):
+        monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": gpus})
+        got, data = {}, SimpleNamespace()
+        data.map_batches = lambda _, **kw: got.update(kw) or SimpleNamespace(context=data)
+        _map_replicas(data, 0, 0, {"tensor_parallel_size": 2}, 1, 1, 0, 0, 1)
+        assert (got.get("num_gpus", 0), got["num_cpus"]) == (gpus, cpus)
+
+
 @pytest.mark.parametrize("bad", [dict(concurrency=True), dict(batch_size=0), dict(start_timeout_s=1.5)])
 def test_bad_replica_settings_are_refused(tiny_model, bad):
     from nanovllm.ray import generate

@@ -413,12 +413,14 @@ def test_chat_applies_the_template(llm):
     assert plain[0]["token_ids"] == one(llm, llm.tokenizer.encode("be briefhello there!"), greedy())["token_ids"]
 
 
-def test_chat_without_the_generation_prompt(llm):
+def test_chat_without_the_generation_prompt(llm, monkeypatch):
     # add_generation_prompt=False reaches the template: no assistant turn opened
     conversation = [{"role": "user", "content": "hello there"}]
     templated = llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
     assert "assistant" not in templated
-    prompt = llm.tokenizer.encode(templated, add_special_tokens=False)
+    prompt, enc = llm.tokenizer.encode(templated, add_special_tokens=False), llm.tokenizer.encode
+    # a BOS-adding tokenizer must add none to the template's text
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda t, add_special_tokens=True: [0] * add_special_tokens + enc(t))
     assert llm.apply_chat_template(conversation, add_generation_prompt=False) == prompt
     got = chat(llm, conversation, add_generation_prompt=False)
     assert got[0]["token_ids"] == one(llm, prompt, greedy())["token_ids"]
