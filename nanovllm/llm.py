@@ -1,4 +1,5 @@
 """The user-facing class: the engine, plus conveniences built on `generate`."""
+from nanovllm.batch.protocol import joined_text_parts
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
 
@@ -30,9 +31,11 @@ class LLM(LLMEngine):
         if not isinstance(conversation, (list, tuple)) or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
             raise TypeError("each conversation must be a list of {'role': ..., 'content': ...} dicts")
+        conversation = [{**m, "content": joined_text_parts(m["content"], f"messages[{i}].content")}
+                        if isinstance(m["content"], list) else m for i, m in enumerate(conversation)]
         with self._tokenizer_lock:
             kwargs = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
-            text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, chat_template=chat_template,
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
                                                       **kwargs)
             # the template wrote the special tokens already
             return self.tokenizer.encode(text, add_special_tokens=False)

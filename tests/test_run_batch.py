@@ -94,7 +94,7 @@ def test_results_equal_generate_and_chat(llm, tmp_path):
     chat_ids = llm.apply_chat_template(conversation)
     expected = {k: expect(p, SamplingParams(temperature=0, **kw)) for k, (p, kw) in texts.items()} | {
         "chat": llm.chat(conversation, SamplingParams(temperature=0, max_tokens=8, logprobs=2), use_tqdm=False),
-        "parts": llm.chat(user("Hi!"), SamplingParams(temperature=0, max_tokens=5), use_tqdm=False),
+        "parts": llm.chat(user("Hi\n!"), SamplingParams(temperature=0, max_tokens=5), use_tqdm=False),
         "seeded": expect([chat_ids] * 2, [SamplingParams(max_tokens=7, seed=seed) for seed in (7, 8)]),
         "unbounded": expect([list(range(3, 123))], greedy(MAX_MODEL_LEN - 120)),
         "full": expect([list(range(3, 3 + MAX_MODEL_LEN))], greedy(1)),

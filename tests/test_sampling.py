@@ -407,6 +407,11 @@ def test_chat_applies_the_template(llm):
     for bad in ([], [{"text": "no role"}], [{"role": "user"}], [*conversation, {"text": "no role"}]):
         with pytest.raises(TypeError, match="role|non-empty"):
             chat(llm, bad)
+    # OpenAI's content parts, joined by newlines as vLLM joins them
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    assert llm.apply_chat_template(parts) == llm.apply_chat_template([{"role": "user", "content": "hello\nthere"}])
+    with pytest.raises(ValueError, match=r"messages\[1\].content: only parts of type 'text'"):
+        chat(llm, [*parts, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     # a chat_template with chat_template_kwargs
     plain = chat(llm, conversation, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"
                  "{% if shout %}!{% endif %}", chat_template_kwargs={"shout": True})

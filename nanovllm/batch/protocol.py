@@ -154,15 +154,20 @@ def _messages(messages) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] must be an object with a string role")
         content = message.get("content")
-        if isinstance(content, list):  # content parts: only text can reach a text-only model
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ValueError(f"messages[{i}].content: only parts of type 'text' are supported")
-            content = "".join(p["text"] for p in content)
+        if isinstance(content, list):
+            content = joined_text_parts(content, f"messages[{i}].content")
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
         out.append({**message, "content": content})
     return out
+
+
+def joined_text_parts(parts: list, name: str) -> str:
+    """A message's content parts as one string, joined by newlines as vLLM joins them for a template of string
+    content; only text can reach a text-only model."""
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        raise ValueError(f"{name}: only parts of type 'text' are supported")
+    return "\n".join(p["text"] for p in parts)
 
 
 def _prompts(prompt) -> list:
