@@ -10,13 +10,13 @@ def seq(*args) -> Sequence:
 
 
 def computed(bm: BlockManager, s: Sequence, n: int | None = None):
-    """Pretend n tokens (all but the last, as after a prefill) were computed; hash the full blocks."""
+    """n tokens computed (by default all but the last, as after a prefill); the full blocks hashed."""
     s.num_computed_tokens = s.num_tokens - 1 if n is None else n
     bm.hash_computed_blocks(s, 0)
 
 
 def cached(bm: BlockManager, s: Sequence, n: int | None = None, free: bool = True) -> Sequence:
-    """Allocate and compute s, and free it unless free=False: its blocks stay cached."""
+    """s allocated and computed, then freed unless free=False: its blocks stay cached."""
     bm.allocate(s)
     computed(bm, s, n)
     if free:
@@ -72,7 +72,7 @@ def test_freed_blocks_stay_cached_until_reused():
     b = seq(9)
     assert bm.allocate(b) and b.num_cached_tokens == 8  # hit on freed blocks
     bm.deallocate(b)
-    c = seq(100, 116)  # a different request takes every block, which evicts the cached hashes
+    c = seq(100, 116)  # takes every block: the cached hashes evicted
     assert bm.allocate(c)
     bm.deallocate(c)
     assert bm.hash_to_block_id == {}
@@ -86,7 +86,7 @@ def test_cached_blocks_are_claimed_before_fresh_ones_evict_them():
     y = Sequence([7, 7, 7, 7])
     bm.allocate(y)
     bm.deallocate(y)
-    assert next(iter(bm.free_block_ids)) == 0  # the cached block is the next one a fresh allocation would take
+    assert next(iter(bm.free_block_ids)) == 0  # the cached block: next to be taken
     b = Sequence([0, 1, 2, 3, 50, 51, 52, 53])
     assert bm.allocate(b)
     assert b.num_cached_tokens == 4 and b.block_table == [0, 1]
@@ -109,11 +109,11 @@ def test_append_slots_grows_block_table():
 def test_a_cached_block_is_reused_only_after_the_same_prefix():
     bm = BlockManager(16, BS)
     w, x, y, z = [1] * BS, [2] * BS, [3] * BS, [4] * BS
-    for tokens in (w + y + [0], x + z + [0]):  # y's block is cached after w; x's block is cached too
+    for tokens in (w + y + [0], x + z + [0]):  # y's block cached after w; x's too
         cached(bm, Sequence(tokens))
     s = Sequence(x + y + [0])
     assert bm.allocate(s)
-    assert s.num_cached_tokens == BS  # x only: this y follows x, so its KV differs from the cached one
+    assert s.num_cached_tokens == BS  # x only: this y follows x, its KV differs
 
 
 def test_each_block_of_a_sequence_is_hashed_once(monkeypatch):
@@ -125,7 +125,7 @@ def test_each_block_of_a_sequence_is_hashed_once(monkeypatch):
     assert len(hashed) == 4
     bm.allocate(Sequence([50, 51]))  # leaves 4 blocks free
     waiting = Sequence(list(range(16)) + list(range(100, 117)))  # the same 4 blocks, then 5 of its own
-    for _ in range(10):  # a waiting prompt is retried at every step until it fits
+    for _ in range(10):  # retried at every step until it fits
         assert not bm.allocate(waiting)
     assert len(hashed) == 4 + 5  # its 4 hits and its first miss, once
     bm.deallocate(holder)
@@ -133,11 +133,11 @@ def test_each_block_of_a_sequence_is_hashed_once(monkeypatch):
     computed(bm, waiting)
     bm.deallocate(waiting)  # preempted: it comes back with the same history
     assert bm.allocate(waiting) and waiting.num_computed_tokens == 32 and waiting.num_cached_tokens == 16
-    assert len(hashed) == 4 + 8  # its other full blocks, once, when their KV was computed
+    assert len(hashed) == 4 + 8  # its other full blocks, once, when computed
 
 
 def test_blocks_are_made_when_first_handed_out():
-    """Blocks are made lazily (16M blocks at start took 42 s and 5 GB); fresh ids go out before freed ones."""
+    """16M blocks made at start took 42 s and 5 GB; fresh ids go out before freed ones."""
     bm = BlockManager(1_000_000, BS)
     assert bm.blocks == [] and bm.num_free_blocks == 1_000_000
     a, b = seq(9), seq(100, 105)
@@ -157,7 +157,6 @@ def test_a_hash_collision_is_no_hit(monkeypatch):
 
 
 def test_a_prefix_differing_in_a_blocks_last_token_is_no_hit():
-    """A prompt differing from a cached block only in that block's last token gets a block of its own."""
     bm = BlockManager(10, BS)
     a = cached(bm, seq(10), free=False)
     b = Sequence([0, 1, 2, 99] + list(range(4, 10)))
@@ -169,7 +168,6 @@ def test_a_prefix_differing_in_a_blocks_last_token_is_no_hit():
 
 
 class CountingList(list):
-    """A block table that counts its lookups."""
     reads = 0
 
     def __getitem__(self, i):
@@ -178,8 +176,7 @@ class CountingList(list):
 
 
 def test_hashing_a_step_looks_only_at_the_blocks_it_filled():
-    """A step's hashing costs in proportion to the blocks it filled, not to the sequence's length: a step that
-    fills the last block of a long sequence looks at that block, not again at every block before it."""
+    """Filling the last block of a long sequence, a step looks at that block, not again at every one before it."""
     bm, s = BlockManager(100, BS), seq(51 * BS)
     bm.allocate(s)
     computed(bm, s, 50 * BS)

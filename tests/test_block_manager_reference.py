@@ -1,9 +1,7 @@
-"""The block manager against a plain reference model of its semantics, under random admissions, steps,
-preemptions (re-admission with a longer history) and finishes: the same blocks in every block table, the
-same prefix hits, the same free list in the same eviction order, the same cached blocks.
-
-The reference keeps the free list as a Python list (taken from the front, freed to the back, a hit removes
-its blocks wherever they are) and identifies a cached block by the whole prefix it ends, with no hashing."""
+"""The block manager against a plain reference under random admissions, steps, preemptions (re-admitted with a
+longer history) and finishes: the same block tables, prefix hits, free list in eviction order and cached blocks.
+The reference's free list is a list (taken from the front, freed to the back, a hit removes its blocks wherever
+they are); a cached block is known by the whole prefix it ends, no hashing."""
 from hypothesis import given, settings, strategies as st
 
 from nanovllm.engine.block_manager import BlockManager
@@ -29,8 +27,7 @@ class ReferenceBlocks:
         return block_id
 
     def allocate(self, token_ids: list[int]) -> tuple[list[int], int] | None:
-        """The block table and how many of its blocks were hits, or None when it does not fit (changing
-        nothing)."""
+        """The block table and how many of its blocks were hits, or None (changing nothing) if it does not fit."""
         hit = []
         for i in range((len(token_ids) - 1) // self.block_size):  # the last token is always computed
             block_id = self.cached.get(tuple(token_ids[:(i + 1) * self.block_size]))
@@ -90,7 +87,7 @@ def test_block_manager_matches_the_reference(block_size, num_blocks, data):
             first_hits.setdefault(seq, num_hits)  # the hits reported are those of its first admission
             assert seq.num_cached_tokens == first_hits[seq] * block_size
             running.append((seq, table))
-        elif action == "step" and running:  # compute some tokens; at the end of them, sample one
+        elif action == "step" and running:  # compute some tokens; at the end, sample one
             seq, table = running[data.draw(st.integers(0, len(running) - 1))]
             num_new = data.draw(st.integers(1, seq.num_tokens - seq.num_computed_tokens))
             if not bm.can_append(seq, num_new):

@@ -1,6 +1,7 @@
 """The flash-attn and Triton backends and the Triton KV store in bf16 against `TorchBackend` on float32 copies, on
 random paged inputs (GPU); a test skips when its kernel family does not import."""
 import math
+from itertools import accumulate
 
 import pytest
 import torch
@@ -9,9 +10,6 @@ from nanovllm.layers.attention import AttentionMetadata, TorchBackend
 from nanovllm.layers.flash_attention import FlashAttnBackend
 
 ATOL = 2e-2
-FA4_BLOCK_SIZES = [16, 64, 128, 256]
-FA2_BLOCK_SIZES = [256]
-
 # (query_lens, context_lens) per sequence; a query is the last tokens of its context
 CASES = {
     "prefill": ([1, 17, 64, 200, 129], [1, 17, 64, 200, 129]),
@@ -19,42 +17,31 @@ CASES = {
     "decode": ([1] * 8, [1, 15, 16, 17, 255, 256, 257, 1000]),
     "mixed": ([1, 50, 1, 128, 3], [300, 50, 17, 400, 64]),
 }
+FAMILY_BLOCK_SIZES = ([("fa4", b) for b in (16, 64, 128, 256)] + [("fa2", 256)]
+                      + [("triton", b) for b in (16, 48, 128, 256)] + [("triton-decode", 128)])
 
 
-TRITON_BLOCK_SIZES = [16, 48, 128, 256]
-
-
-def make_backend(family: str):
-    """A flash-attn family ("fa4", "fa2"), the Triton backend ("triton") or FA4 with Triton decode."""
+def make_backend(family: str, **kw):
+    """A flash-attn family ("fa4", "fa2"), the Triton backend ("triton") or FA4 with Triton decode (and `kw`)."""
     try:
         if family == "triton":
             from nanovllm.layers.triton_attention import TritonBackend
             return TritonBackend()
         if family == "triton-decode":
-            return FlashAttnBackend("fa4", triton_decode=True)
+            return FlashAttnBackend("fa4", triton_decode=True, **kw)
         return FlashAttnBackend(family)
     except ValueError as e:  # the family does not import here, or the GPU is too old for it
         pytest.skip(str(e))
 
 
-def family_block_sizes():
-    return ([("fa4", b) for b in FA4_BLOCK_SIZES] + [("fa2", b) for b in FA2_BLOCK_SIZES]
-            + [("triton", b) for b in TRITON_BLOCK_SIZES] + [("triton-decode", 128)])
-
-
 def make_meta(query_lens, context_lens, block_tables, block_size, device) -> AttentionMetadata:
-    positions = [c - q + j for q, c in zip(query_lens, context_lens) for j in range(q)]
-    seq_of_token = [i for i, q in enumerate(query_lens) for _ in range(q)]
-    slots = [int(block_tables[i, p // block_size]) * block_size + p % block_size
-             for i, p in zip(seq_of_token, positions)]
-    cu_seqlens_q = [0]
-    for q in query_lens:
-        cu_seqlens_q.append(cu_seqlens_q[-1] + q)
+    slots = [int(block_tables[i, p // block_size]) * block_size + p % block_size  # a query: its context's last tokens
+             for i, (q, c) in enumerate(zip(query_lens, context_lens)) for p in range(c - q, c)]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         block_tables=block_tables.to(device),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32, device=device),
         max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens),
         query_lens_host=list(query_lens), context_lens_host=list(context_lens))
 
@@ -64,22 +51,17 @@ def random_block_tables(context_lens, block_size, num_blocks, generator, width=N
     counts = [math.ceil(c / block_size) for c in context_lens]
     ids = torch.randperm(num_blocks, generator=generator)[:sum(counts)].to(torch.int32)
     table = torch.full((len(context_lens), width or max(counts)), -1, dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(counts):
-        table[i, :n] = ids[start:start + n]
-        start += n
+    for i, row in enumerate(ids.split(counts)):
+        table[i, :len(row)] = row
     return table
 
 
 def split_kv(qkv, num_heads, num_kv_heads, head_dim):
     """k and v as non-contiguous slices of one fused qkv projection, as the layers produce them."""
-    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim]
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim:]
-    return k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+    return qkv[:, num_heads * head_dim:].unflatten(1, (2, num_kv_heads, head_dim)).unbind(1)
 
 
-def run_both(backend, query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0,
-             num_decodes=0):
+def run_both(backend, query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0, num_decodes=0):
     """Store this step's k/v and attend, with `backend` in bf16 and with TorchBackend in float32."""
     device, gen = torch.device("cuda"), torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(c / block_size) for c in context_lens) + 5  # some blocks no sequence uses
@@ -87,17 +69,16 @@ def run_both(backend, query_lens, context_lens, num_heads, num_kv_heads, head_di
     meta = make_meta(query_lens, context_lens, block_tables, block_size, device)
     meta.num_decodes = num_decodes
     num_tokens = sum(query_lens)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    used = block_tables[block_tables >= 0].long()
+    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) for _ in range(2)]
     unused = torch.ones(num_blocks, dtype=torch.bool)
-    unused[used] = False
-    k_cache[unused] = v_cache[unused] = float("nan")  # blocks outside every table must never be read
+    unused[block_tables[block_tables >= 0].long()] = False
+    for cache in caches:
+        cache[unused] = float("nan")  # blocks outside every table must never be read
     bf = dict(device=device, dtype=torch.bfloat16)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(**bf)
     k, v = split_kv(torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(**bf),
                     num_heads, num_kv_heads, head_dim)
-    caches = [c.to(**bf) for c in (k_cache, v_cache)]
+    caches = [c.to(**bf) for c in caches]
     ref_caches = [c.float() for c in caches]  # the reference sees exactly the bf16 inputs, widened
     q_ref, k_ref, v_ref = q.float(), k.float(), v.float()
     scale = head_dim ** -0.5
@@ -119,11 +100,9 @@ def assert_close(out, expected):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("family,block_size", family_block_sizes())
+@pytest.mark.parametrize("family,block_size", FAMILY_BLOCK_SIZES)
 def test_forward_matches_torch(family, block_size, case):
-    backend = make_backend(family)
-    query_lens, context_lens = CASES[case]
-    assert_close(*run_both(backend, query_lens, context_lens, 16, 8, 128, block_size))
+    assert_close(*run_both(make_backend(family), *CASES[case], 16, 8, 128, block_size))
 
 
 @pytest.mark.gpu
@@ -131,24 +110,19 @@ def test_forward_matches_torch(family, block_size, case):
 @pytest.mark.parametrize("case", ["mixed", "decode"])
 @pytest.mark.parametrize("family,block_size", [("fa4", 64), ("fa4", 128), ("fa2", 256), ("triton", 64)])
 def test_forward_gqa_and_head_dims(family, block_size, case, num_heads, num_kv_heads, head_dim):
-    backend = make_backend(family)
-    query_lens, context_lens = CASES[case]
-    assert_close(*run_both(backend, query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size))
+    assert_close(*run_both(make_backend(family), *CASES[case], num_heads, num_kv_heads, head_dim, block_size))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["prefill", "mixed"])
 @pytest.mark.parametrize("below", [-1, 0, 1])
 def test_triton_decode_sends_small_varlen_steps_to_triton(case, below, monkeypatch):
-    """With triton_decode, a prefill or mixed step of at most triton_varlen_tokens tokens runs the Triton varlen
-    kernel and a larger one flash-attn-4; both agree with torch."""
+    """A prefill or mixed step of at most triton_varlen_tokens tokens runs Triton's varlen kernel, a larger one
+    flash-attn-4; both agree with torch."""
     from nanovllm.layers import triton_attention
     query_lens, context_lens = CASES[case]
     tokens = sum(query_lens)
-    try:
-        backend = FlashAttnBackend("fa4", triton_decode=True, triton_varlen_tokens=tokens + below)
-    except ValueError as e:
-        pytest.skip(str(e))
+    backend = make_backend("triton-decode", triton_varlen_tokens=tokens + below)
     calls, varlen = [], triton_attention.varlen_attention
     monkeypatch.setattr(triton_attention, "varlen_attention",
                         lambda *args, **kw: calls.append(args[0].size(0)) or varlen(*args, **kw))
@@ -160,12 +134,9 @@ def test_triton_decode_sends_small_varlen_steps_to_triton(case, below, monkeypat
 @pytest.mark.parametrize("varlen_tokens", [276, 277])
 def test_triton_decode_splits_a_mixed_step_that_leads_with_decodes(varlen_tokens, monkeypatch):
     """40 decodes then two prompts of 277 tokens: within triton_varlen_tokens the decodes go to the decode kernel,
-    the prompts to Triton's varlen; beyond it flash-attn-4 takes the whole step. The output agrees with torch."""
+    the prompts to Triton's varlen; beyond it flash-attn-4 takes the whole step."""
     from nanovllm.layers import triton_attention
-    try:
-        backend = FlashAttnBackend("fa4", triton_decode=True, triton_varlen_tokens=varlen_tokens)
-    except ValueError as e:
-        pytest.skip(str(e))
+    backend = make_backend("triton-decode", triton_varlen_tokens=varlen_tokens)
     monkeypatch.setattr(triton_attention, "SPLIT_DECODES", 32)
     rows, decode = [], triton_attention.decode_attention
     monkeypatch.setattr(triton_attention, "decode_attention",
@@ -189,45 +160,42 @@ def test_fa2_rejects_small_blocks():
 def test_triton_store_matches_torch(num_kv_heads, head_dim, slot_dtype):
     pytest.importorskip("triton")
     from nanovllm.layers.triton_kvstore import store_kvcache
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen, bf = torch.Generator(device="cuda").manual_seed(0), dict(device="cuda", dtype=torch.bfloat16)
     num_tokens, num_heads, num_blocks, block_size = 37, 2 * num_kv_heads, 9, 16
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen, device="cuda",
-                      dtype=torch.bfloat16)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen, **bf)
     k, v = split_kv(qkv, num_heads, num_kv_heads, head_dim)
     assert not k.is_contiguous()
     slots = torch.randperm(num_blocks * block_size, generator=gen, device="cuda")[:num_tokens]
     slots[::5] = -1  # padding: writes nothing
     slots = slots.to(slot_dtype)
-    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device="cuda",
-                          dtype=torch.bfloat16) for _ in range(2)]
+    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen, **bf) for _ in range(2)]
     expected = [c.clone() for c in caches]
     TorchBackend().store_kvcache(k, v, *expected, slots)
     store_kvcache(k, v, *caches, slots)
-    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    assert all(map(torch.equal, caches, expected))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,block_size", [("fa4", 64), ("fa4", 128), ("fa2", 256), ("triton", 64),
                                                ("triton", 256), ("triton-decode", 128)])
 def test_decode_in_cuda_graph(family, block_size):
-    """Store + decode captured once replays correctly after the inputs change, longer contexts and padding too."""
+    """Captured once, store + decode replay right after the inputs change: longer contexts, padding too."""
     backend = make_backend(family)
     device, gen = torch.device("cuda"), torch.Generator().manual_seed(1)
     bf = dict(device=device, dtype=torch.bfloat16)
     batch, num_heads, num_kv_heads, head_dim, width = 8, 16, 8, 128, 8  # tables hold 8 blocks per sequence
     num_blocks, scale = batch * width + 4, head_dim ** -0.5
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(**bf)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(**bf)
+    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(**bf) for _ in range(2)]
 
     def inputs(context_lens):
         """Fresh contents for the static buffers; a context of 0 is a padding sequence (no blocks, slot -1)."""
-        tables = random_block_tables([max(c, 1) for c in context_lens], block_size, num_blocks, gen, width)
-        meta = make_meta([1] * batch, [max(c, 1) for c in context_lens], tables, block_size, device)
+        at_least_1 = [max(c, 1) for c in context_lens]
+        tables = random_block_tables(at_least_1, block_size, num_blocks, gen, width)
+        meta = make_meta([1] * batch, at_least_1, tables, block_size, device)
         padding = torch.tensor([c == 0 for c in context_lens], device=device)
         meta.block_tables[padding] = -1
         meta.context_lens[padding] = 0
         meta.slot_mapping[padding] = -1
-        meta.context_lens_host = [max(c, 1) for c in context_lens]
         q = torch.randn(batch, num_heads, head_dim, generator=gen).to(**bf)
         kv = torch.randn(2, batch, num_kv_heads, head_dim, generator=gen).to(**bf)
         return q, kv, meta
@@ -235,8 +203,8 @@ def test_decode_in_cuda_graph(family, block_size):
     q, kv, meta = inputs([5, 17, 64, 100, 2, 9, 33, 70])  # static buffers: the graph reads these tensors
 
     def step():
-        backend.store_kvcache(kv[0], kv[1], k_cache, v_cache, meta.slot_mapping)
-        return backend.forward(q, kv[0], kv[1], k_cache, v_cache, meta, scale)
+        backend.store_kvcache(*kv, *caches, meta.slot_mapping)
+        return backend.forward(q, *kv, *caches, meta, scale)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -258,9 +226,8 @@ def test_decode_in_cuda_graph(family, block_size):
     graph.replay()
     replayed = out.clone()
     eager = step()  # same buffers: rewrites the same slots with the same values, then attends
-    ref_caches = [c.float() for c in (k_cache, v_cache)]
-    expected = TorchBackend().forward(q.float(), kv[0].float(), kv[1].float(), *ref_caches, new_meta, scale)
+    ref_caches = [c.float() for c in caches]
+    expected = TorchBackend().forward(q.float(), *kv.float(), *ref_caches, new_meta, scale)
     real = torch.tensor([i for i in range(batch) if new_meta.context_lens[i] > 0], device=device)
     assert torch.equal(replayed[real], eager[real])
-    err = (replayed[real].float() - expected[real]).abs().max().item()
-    assert err < ATOL, f"max abs error {err:.3e}"
+    assert_close(replayed[real], expected[real])

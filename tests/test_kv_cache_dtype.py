@@ -1,18 +1,14 @@
 """kv_cache_dtype="fp8" (it flips HF's near ties: tests bound how often and by how much), and backend choice."""
-from functools import partial
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from nanovllm import LLM
-from nanovllm.layers.attention import (BACKEND_NAMES, FP8_DTYPE, VALUE_CHUNK, AttentionMetadata, TorchBackend,
-                                       quantize_kv, resolve_backend_name, value_chunk, value_slots, values_as_cache)
-from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests import test_overlap
+from nanovllm.layers.attention import (BACKEND_NAMES, FP8_DTYPE, VALUE_CHUNK, TorchBackend, quantize_kv,
+                                       resolve_backend_name, value_chunk, value_slots, values_as_cache)
+from tests import test_gpu_engine, test_overlap
 from tests.conftest import greedy
-
-prompts = partial(test_overlap.prompts, hi=100)
+from tests.test_gpu_attention import make_meta
 
 
 def agreement(hf_model, batch, outputs, device="cpu"):
@@ -38,7 +34,7 @@ def test_fp8_cache_stays_close_to_hf(tiny_model, hf_model, block_size):
     """Chunked prefill, prefix hits and mixed steps on the FP8 cache; values laid out as keys or in chunks."""
     llm = LLM(tiny_model, kv_cache_dtype="fp8", kvcache_block_size=block_size, max_num_batched_tokens=64)
     assert llm.model_runner.kv_cache.dtype == FP8_DTYPE
-    batch = prompts(8)
+    batch = test_overlap.prompts(8, hi=100)
     shared = max(batch, key=len)
     batch.append(shared + [7, 8, 9])  # a prefix hit on the first call's blocks
     params = greedy(32, logprobs=0)
@@ -82,7 +78,7 @@ def test_values_lie_where_value_chunk_says(block_size, num_kv_heads, head_dim, f
 
 
 def test_torch_backend_fp8_round_trip():
-    """The reference backend stores clamp(x / scale) in FP8 and reads fp8 * scale: within e4m3's rounding of x."""
+    """It stores clamp(x / scale) in FP8 and reads fp8 * scale: within e4m3's rounding of x."""
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 10, 2, 16, generator=gen) * torch.tensor([0.05, 40.0])[:, None, None, None]
     k_scale, v_scale = 2.0 ** -6, 0.5  # |k| <= 0.17 and |v| <= 164 stay inside +-448 after the division
@@ -97,10 +93,8 @@ def test_torch_backend_fp8_round_trip():
     saturated = [torch.zeros(2, 16, 2, 16, dtype=FP8_DTYPE) for _ in range(2)]
     backend.store_kvcache(out_of_range, out_of_range, *saturated, torch.tensor([0, 1]))
     assert saturated[0][0, :2, 0, 0].float().tolist() == [448.0, -448.0]  # saturated, not NaN
-    meta = AttentionMetadata(slot_mapping=torch.arange(10), block_tables=torch.tensor([[0]]),
-                             context_lens=torch.tensor([10]), cu_seqlens_q=torch.tensor([0, 1]), max_seqlen_q=1,
-                             max_seqlen_k=10, query_lens_host=[1], context_lens_host=[10])
     q = torch.randn(1, 4, 16, generator=gen)
+    meta = make_meta([1], [10], torch.tensor([[0]]), 16, "cpu")  # a query token over the 10 keys
     out = backend.forward(q, k[:1], v[:1], *caches, meta, 0.25, k_scale, v_scale)
     keys, values = (stored[0] * k_scale).repeat_interleave(2, 1), (stored[1] * v_scale).repeat_interleave(2, 1)
     weights = torch.einsum("hd,thd->ht", q[0], keys).mul(0.25).softmax(-1)
@@ -134,10 +128,7 @@ def test_backend_resolution_on_cpu():
             resolve_backend_name(name, "cpu", f32, 16, f32)
 
 
-# ---- GPU
-@pytest.fixture(scope="module")
-def qwen3_small(tmp_path_factory) -> str:
-    return str(make_random_checkpoint(tmp_path_factory.mktemp("qwen3-4l"), "qwen3-0.6b", num_hidden_layers=4))
+qwen3_small = test_gpu_engine.qwen3_small  # the GPU tests' fixture
 
 
 @pytest.mark.gpu
@@ -157,9 +148,8 @@ def test_auto_backends_on_cuda(qwen3_small):
 
 @pytest.mark.gpu
 def test_fp8_on_cuda_close_to_hf_and_twice_the_tokens(qwen3_small):
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(qwen3_small, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
-    batch = prompts(16, seed=2, lo=20, hi=600, vocab=10000)
+    hf = test_gpu_engine.hf_bf16(qwen3_small)
+    batch = test_gpu_engine.prompts(16, seed=2)
     params = greedy(24, logprobs=0)
     results, blocks = {}, {}
     for kv_cache_dtype in ("auto", "fp8"):
@@ -175,11 +165,11 @@ def test_fp8_on_cuda_close_to_hf_and_twice_the_tokens(qwen3_small):
 
 @pytest.mark.gpu
 def test_fp8_cuda_graph_decode_equals_eager(qwen3_small):
-    batch = prompts(16, seed=4, lo=20, hi=600, vocab=10000)  # all finish together: every batch is a graph size
+    batch = test_gpu_engine.prompts(16, seed=4)  # all finish together: every batch is a graph size
     params = greedy(32)
     with LLM(qwen3_small, kv_cache_dtype="fp8", enforce_eager=True, max_model_len=2048) as eager:
-        expected = [o["token_ids"] for o in eager.generate(batch, params, use_tqdm=False)]
+        expected = test_gpu_engine.generated(eager, batch, params)
     with LLM(qwen3_small, kv_cache_dtype="fp8", max_model_len=2048, max_num_seqs=16) as graphs:
         assert graphs.model_runner.graphs
-        got = [o["token_ids"] for o in graphs.generate(batch, params, use_tqdm=False)]
+        got = test_gpu_engine.generated(graphs, batch, params)
     assert got == expected

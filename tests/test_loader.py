@@ -7,15 +7,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 from nanovllm.models import model_class
 from nanovllm.utils.loader import checkpoint_files, load_tensors
 from nanovllm.utils.random_checkpoint import (_resolve_config, checkpoint_bytes, hf_config, make_random_checkpoint,
                                               param_specs)
+from tests.conftest import greedy
 from tests.test_models import PROMPTS, check_against_hf
 
 MOE, LLAMA = "tiny-qwen3-moe", "tiny-llama"
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # published sizes in billions of bfloat16 parameters
 BENCHMARK_SHAPES = {"llama-3.2-1b": 1.236, "llama-3.1-8b": 8.030, "qwen2.5-0.5b": 0.494, "mistral-7b": 7.248,
                     "qwen3-30b-a3b": 30.532}
@@ -23,7 +23,7 @@ BENCHMARK_SHAPES = {"llama-3.2-1b": 1.236, "llama-3.1-8b": 8.030, "qwen2.5-0.5b"
 
 def greedy_tokens(path, **engine_args) -> list[list[int]]:
     with LLM(str(path), kvcache_block_size=16, **engine_args) as llm:
-        return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        return [o["token_ids"] for o in llm.generate(PROMPTS, greedy(12), use_tqdm=False)]
 
 
 def reshard_with_transformers(src, dst):
@@ -90,7 +90,7 @@ def test_tensors_that_are_no_parameters_are_skipped(tmp_path):
 
 
 def test_stacked_experts_checkpoint(tmp_path):
-    """Experts stored stacked, as transformers 5 holds them (`mlp.experts.gate_up_proj`, gates then ups)."""
+    """As transformers 5 holds them (`mlp.experts.gate_up_proj`, gates then ups)."""
     path = make_random_checkpoint(tmp_path / "moe", MOE)
     tensors = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     assert tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
@@ -128,7 +128,7 @@ def test_no_weights_is_an_error_that_names_dummy(tmp_path):
 
 
 def test_dummy_weights_are_the_random_checkpoint(tmp_path):
-    """The dummy model equals a random checkpoint of the config, at TP=1 and TP=2 (each rank keeps its shard)."""
+    """At TP=1 and TP=2 (each rank keeps its shard)."""
     args = dict(shape=MOE, attention_bias=True, mlp_only_layers=[0])
     with_weights = make_random_checkpoint(tmp_path / "weights", **args)
     dummy = make_random_checkpoint(tmp_path / "dummy", **args, with_weights=False)

@@ -7,12 +7,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 from nanovllm.layers.rotary_embedding import rope_inv_freq
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import assert_greedy_matches_hf
+from tests.conftest import assert_greedy_matches_hf, greedy
 
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+LLAMA3_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
 # up to ~300 positions: past tiny-llama's llama3 original context (256)
 PROMPTS = [[7] * 3, list(range(3, 60)), list(range(100, 400)), list(range(3, 60)) + [9, 9]]
 
@@ -26,7 +26,7 @@ def hf_model(path):
 def check_against_hf(path, **engine_args):
     hf = hf_model(path)
     with LLM(str(path), kvcache_block_size=16, **engine_args) as llm:
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        outputs = llm.generate(PROMPTS, greedy(16), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outputs):
         assert_greedy_matches_hf(hf, prompt, out["token_ids"])
     return outputs
@@ -54,19 +54,21 @@ FAMILIES = {
 }
 
 
+def family_checkpoint(tmp_path, name):
+    shape, overrides = FAMILIES[name]
+    return make_random_checkpoint(tmp_path / name, shape, **overrides)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_matches_hf(tmp_path, name):
-    shape, overrides = FAMILIES[name]
-    check_against_hf(make_random_checkpoint(tmp_path / name, shape, **overrides))
+    check_against_hf(family_checkpoint(tmp_path, name))
 
 
 def test_logprobs_follow_the_final_norms_eps(tmp_path):
     """The final norm's eps scales a position's logits alike: greedy tokens cannot show it, logprobs do."""
-    shape, overrides = FAMILIES["qwen3-large-rms-norm-eps"]
-    path = make_random_checkpoint(tmp_path / "eps", shape, **overrides)
-    prompt, params = PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    path, prompt = family_checkpoint(tmp_path, "qwen3-large-rms-norm-eps"), PROMPTS[1]
     with LLM(str(path), kvcache_block_size=16) as llm:
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        out = llm.generate([prompt], greedy(4, logprobs=0), use_tqdm=False)[0]
     with torch.no_grad():
         expected = hf_model(path)(torch.tensor([prompt + out["token_ids"]])).logits[0, len(prompt) - 1:-1]
     for row, token, entry in zip(expected.log_softmax(-1), out["token_ids"], out["logprobs"]):
@@ -74,8 +76,7 @@ def test_logprobs_follow_the_final_norms_eps(tmp_path):
 
 
 def test_qwen3_moe_layers_follow_the_config(tmp_path):
-    _, overrides = FAMILIES["qwen3-moe-sparse-step-and-dense-layers"]
-    path = make_random_checkpoint(tmp_path / "moe", "tiny-qwen3-moe", **overrides)
+    path = family_checkpoint(tmp_path, "qwen3-moe-sparse-step-and-dense-layers")
     with LLM(str(path), kvcache_block_size=16) as llm:
         layers = llm.model_runner.model.model.layers
         # (i + 1) % decoder_sparse_step == 0, not mlp_only
@@ -93,16 +94,15 @@ def rewrite_config(path, edit=lambda config: None, **fields):
 def test_legacy_rope_scaling_config(tmp_path):
     """A config.json written by older transformers: `rope_scaling` with "type", `rope_theta` at the top."""
     path = make_random_checkpoint(tmp_path / "legacy", "tiny-llama")
-    rewrite_config(path, lambda config: config.pop("rope_parameters"), rope_theta=500000.0, rope_scaling=dict(
-        type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256))
+    rewrite_config(path, lambda config: config.pop("rope_parameters"), rope_theta=500000.0,
+                   rope_scaling=dict(LLAMA3_ROPE, type="llama3", original_max_position_embeddings=256))
     check_against_hf(path)
 
 
 @pytest.mark.parametrize("rope", [
     dict(rope_type="default", rope_theta=10000.0),
     dict(rope_type="linear", factor=2.5, rope_theta=500000.0),
-    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-         original_max_position_embeddings=8192, rope_theta=500000.0),
+    dict(LLAMA3_ROPE, rope_type="llama3", original_max_position_embeddings=8192, rope_theta=500000.0),
     dict(rope_type="llama3", factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0,
          original_max_position_embeddings=512, rope_theta=10000.0),
 ])
@@ -117,20 +117,19 @@ def test_rope_frequencies_equal_transformers(rope, head_dim):
 
 
 def test_llama3_rope_reads_a_top_level_original_context():
-    """llama3 rope takes original_max_position_embeddings from beside rope_scaling (older transformers' configs)."""
-    rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    """Beside rope_scaling, as older transformers' configs hold it."""
     config = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4, head_dim=16,
                                   max_position_embeddings=131072, original_max_position_embeddings=256,
-                                  rope_parameters=dict(rope, rope_type="llama3", rope_theta=500000.0))
+                                  rope_parameters=dict(LLAMA3_ROPE, rope_type="llama3", rope_theta=500000.0))
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    legacy = dict(rope_scaling=dict(rope, type="llama3"), rope_theta=500000.0, max_position_embeddings=131072)
+    legacy = dict(rope_scaling=dict(LLAMA3_ROPE, type="llama3"), rope_theta=500000.0, max_position_embeddings=131072)
     assert torch.equal(rope_inv_freq(SimpleNamespace(**legacy, original_max_position_embeddings=256), 16), expected)
     assert not torch.equal(rope_inv_freq(SimpleNamespace(**legacy), 16), expected)
 
 
 @pytest.mark.parametrize("in_rope_parameters", [None, 1024])
 def test_llama3_rope_takes_a_top_level_original_context_first(tmp_path, in_rope_parameters):
-    """original_max_position_embeddings at the top of config.json (as Phi-3's) wins, as it does in HF's model."""
+    """At the top of config.json (as Phi-3's), as in HF's model."""
     def move(config):
         config["original_max_position_embeddings"] = config["rope_parameters"].pop("original_max_position_embeddings")
         if in_rope_parameters is not None:
@@ -141,7 +140,7 @@ def test_llama3_rope_takes_a_top_level_original_context_first(tmp_path, in_rope_
 
 
 def test_partial_rotary_factor_is_an_error():
-    """Rope over part of each head is refused, never run over the whole head, wherever the factor sits."""
+    """Never run over the whole head, wherever the factor sits."""
     for where in (dict(partial_rotary_factor=0.5), dict(rope_scaling=dict(partial_rotary_factor=0.5))):
         config = SimpleNamespace(rope_theta=10000.0, max_position_embeddings=64, **where)
         with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported"):
@@ -217,7 +216,7 @@ def test_rms_norm_in_bfloat16_is_transformers_own():
     gen = torch.Generator().manual_seed(0)
     ours, theirs = RMSNorm(64, 1e-6).to(torch.bfloat16), Qwen3RMSNorm(64, 1e-6).to(torch.bfloat16)
     weight = 1 + 0.1 * torch.randn(64, generator=gen)
-    ours.weight.data.copy_(weight)
-    theirs.weight.data.copy_(weight)
+    for norm in (ours, theirs):
+        norm.weight.data.copy_(weight)
     x = (3 * torch.randn(32, 64, generator=gen)).to(torch.bfloat16)
     assert torch.equal(ours(x), theirs(x))

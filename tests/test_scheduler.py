@@ -19,15 +19,15 @@ def make_scheduler(tiny_model, *seqs, prefill_first=True, **kwargs) -> Scheduler
 
 
 def step(scheduler: Scheduler, token: int = 5):
-    """Schedule, pretend the model ran, and return (scheduled tokens per seq id, finished seqs)."""
+    """Schedule, as if the model ran: (scheduled tokens per seq id, finished seqs)."""
     seqs = scheduler.schedule()
     plan = {seq.seq_id: seq.num_scheduled_tokens for seq in seqs}
     tokens = [token] * sum(seq.samples_this_step for seq in seqs)
     return plan, scheduler.postprocess(seqs, tokens)
 
 
-def plan(s: Scheduler, token: int = 5) -> dict:
-    return step(s, token)[0]
+def plan(s: Scheduler) -> dict:
+    return step(s)[0]
 
 
 def test_chunked_prefill_then_decode(tiny_model):
@@ -36,7 +36,7 @@ def test_chunked_prefill_then_decode(tiny_model):
     assert plan(s) == {a.seq_id: 32}  # a is chunked at the budget
     assert plan(s) == {a.seq_id: 18, b.seq_id: 10}  # a finishes its prompt, b joins
     assert a.num_completion_tokens == 1 and b.num_completion_tokens == 1
-    assert plan(s) == {a.seq_id: 1, b.seq_id: 1}  # both decode
+    assert plan(s) == {a.seq_id: 1, b.seq_id: 1}
 
 
 @pytest.mark.parametrize("chunks", [[4], [32, 2]])
@@ -53,7 +53,6 @@ def test_prefill_runs_before_decode(tiny_model, chunks):
 
 @pytest.mark.parametrize("prefill_first", [True, False])
 def test_a_prompt_of_max_model_len_is_prefilled_in_chunks_and_gets_one_token(tiny_model, prefill_first):
-    """A prompt of max_model_len tokens is still prefilled in chunks, and ends with one token."""
     a = Sequence([9] * 80, SamplingParams(max_tokens=10))
     s = make_scheduler(tiny_model, a, prefill_first=prefill_first, max_num_batched_tokens=32, num_kvcache_blocks=64,
                        max_model_len=80)
@@ -116,7 +115,7 @@ def test_finish_conditions(tiny_model, params, tokens, reason, length, max_model
 
 
 def launch(s: Scheduler) -> tuple:
-    """Schedule and launch a step the way overlap scheduling does: its tokens are pending until complete()."""
+    """A step scheduled and launched as overlap scheduling does: its tokens pending until complete()."""
     seqs = s.schedule()
     sampled = [seq for seq in seqs if seq.samples_this_step]
     filled = s.launched(seqs)
@@ -137,9 +136,13 @@ def test_a_preempted_sequence_waits_for_its_pending_token(tiny_model):
     assert s.schedule() == [a] and a.num_scheduled_tokens == 11
 
 
-def test_a_step_hashes_only_the_blocks_it_filled(tiny_model):
+def forty_tokens_in_chunks_of_32(tiny_model) -> tuple[Sequence, Scheduler]:
     a = Sequence(list(range(3, 43)), SamplingParams(max_tokens=5, ignore_eos=True))
-    s = make_scheduler(tiny_model, a, prefill_first=False, num_kvcache_blocks=8, max_num_batched_tokens=32)
+    return a, make_scheduler(tiny_model, a, prefill_first=False, num_kvcache_blocks=8, max_num_batched_tokens=32)
+
+
+def test_a_step_hashes_only_the_blocks_it_filled(tiny_model):
+    a, s = forty_tokens_in_chunks_of_32(tiny_model)
     _, sampled, filled = launch(s)  # the first 32 tokens of the prompt: two blocks
     s.running.remove(a)
     s._preempt(a)
@@ -173,7 +176,7 @@ def test_a_sequence_whose_pending_token_ends_it_holds_back_no_other(tiny_model):
     (SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[EOS]), EOS, EOS),  # not ignored as a stop token
 ])
 def test_stop_reason_is_none_for_eos_and_the_token_for_a_stop_token(tiny_model, params, token, stop_reason):
-    """As vLLM: EOS gives stop_reason None; a stop token id gives that id."""
+    """As vLLM's."""
     seq = Sequence([9] * 4, params)
     s = make_scheduler(tiny_model, seq, num_kvcache_blocks=8)
     _, finished = step(s, token)
@@ -187,8 +190,7 @@ def test_a_stop_token_waits_for_min_tokens(tiny_model):
 
 
 def test_a_step_hashes_every_block_it_filled(tiny_model):
-    a = Sequence(list(range(3, 43)), SamplingParams(max_tokens=5, ignore_eos=True))
-    s = make_scheduler(tiny_model, a, prefill_first=False, num_kvcache_blocks=8, max_num_batched_tokens=32)
+    a, s = forty_tokens_in_chunks_of_32(tiny_model)
     step(s)  # blocks 0 and 1
     step(s)  # the rest of the prompt: no full block
     assert [s.block_manager.blocks[b].hash != -1 for b in a.block_table] == [True, True, False]

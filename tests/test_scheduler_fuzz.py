@@ -91,8 +91,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         histories = []
         for seq in sampled:  # the pending token's value from the step in flight
-            token_ids = seq.token_ids[:-1] + [self.in_flight[2][seq.pending_row]] if seq.is_pending \
-                else seq.token_ids
+            token_ids = seq.token_ids[:-1] + [self.in_flight[2][seq.pending_row]] if seq.is_pending else seq.token_ids
             histories.append((token_ids[:seq.num_prompt_tokens], token_ids[seq.num_prompt_tokens:]))
         gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
         logits = torch.tensor([-2.5, -1.0, 0.0, 0.5, 3.0])[torch.randint(5, (len(sampled), VOCAB), generator=gen)]

@@ -23,14 +23,15 @@ from nanovllm.engine import llm_engine, workers
 from nanovllm.engine.workers import worker_died, worker_error
 from nanovllm.layers import embed_head, linear
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import (ROOT, assert_greedy_matches_hf, built_on_ranks, in_background, in_processes,
+from tests import test_models
+from tests.conftest import (ROOT, assert_greedy_matches_hf, built_on_ranks, greedy, in_background, in_processes,
                             kill_the_worker_as_rank_0_sizes_its_cache, kill_worker_while_decoding, raising,
                             shm_segments, within)
 
 LLM = functools.partial(nanovllm.LLM, device="cpu")  # gloo, on GPU machines too (see test_gpu_*)
 TP2 = functools.partial(LLM, kvcache_block_size=16, tensor_parallel_size=2)
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+GREEDY = greedy(10)
 PROMPTS = [[7] * 3, list(range(3, 60)), list(range(100, 230)), list(range(3, 60)) + [9, 9]]
 
 
@@ -95,15 +96,14 @@ class TestOneEngineOfEach:
 @pytest.mark.parametrize("config", [dict(vocab_size=511, tie_word_embeddings=False), dict(num_key_value_heads=1)],
                          ids=["padded-vocabulary", "one-kv-head"])
 def test_a_vocabulary_or_kv_heads_that_do_not_divide_match_hf_at_tp2(tmp_path, config):
-    from transformers import AutoModelForCausalLM
     path = make_random_checkpoint(tmp_path / "odd", "tiny", **config)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = test_models.hf_model(path)
     with TP2(str(path)) as llm:
         assert llm.model_runner.attn_layers[0].num_kv_heads == 1  # of 2 or a replicated 1
         outputs = generate(llm, params=SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True))
         assert all(t < hf.config.vocab_size for o in outputs for t in o["token_ids"])  # never the padding row
-        greedy = generate_twice(llm)
-    assert_matches_hf(hf, greedy)
+        twice = generate_twice(llm)
+    assert_matches_hf(hf, twice)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -137,7 +137,7 @@ def test_heads_that_do_not_divide_are_refused(tiny_model, tmp_path):
 
 
 def at_once_on_ranks(monkeypatch, calls: list) -> list:
-    """Each call's result (one a rank), run at once in threads, dist.all_reduce summing across them."""
+    """Each call's result (one a rank), run at once in threads, dist.all_reduce summing them."""
     from concurrent.futures import ThreadPoolExecutor
     barrier, parts = threading.Barrier(len(calls), timeout=10), {}
 
@@ -154,7 +154,7 @@ def at_once_on_ranks(monkeypatch, calls: list) -> list:
 
 
 def test_row_parallel_ranks_sum_to_the_whole_layer_with_one_bias_and_one_residual(monkeypatch):
-    # o_proj/down_proj: ranks hold slices of the input; summed, the layer's with one bias and residual
+    # o_proj/down_proj: each rank holds a slice of the input
     tp, gen = 2, torch.Generator().manual_seed(0)
     weight, bias, x, residual = (torch.randn(*shape, generator=gen) for shape in ((6, 8), (6,), (3, 8), (3, 6)))
     layers = built_on_ranks(monkeypatch, linear, tp, lambda: linear.RowParallelLinear(8, 6, bias=True))
@@ -168,7 +168,7 @@ def test_row_parallel_ranks_sum_to_the_whole_layer_with_one_bias_and_one_residua
 
 
 def test_vocab_parallel_embedding_looks_each_id_up_on_one_rank(monkeypatch):
-    # 7 ids over 2 ranks of 4 rows: every id, at a slice's edge too, gets its own row
+    # 7 ids over 2 ranks of 4 rows, at a slice's edge too
     weight = torch.randn(7, 4, generator=torch.Generator().manual_seed(0))
     layers = built_on_ranks(monkeypatch, embed_head, 2, lambda: embed_head.VocabParallelEmbedding(7, 4))
     for layer in layers:
@@ -179,7 +179,6 @@ def test_vocab_parallel_embedding_looks_each_id_up_on_one_rank(monkeypatch):
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated_to_the_ranks_that_read_them(monkeypatch):
-
     def ranks_of(tp, **layer_args):
         return built_on_ranks(monkeypatch, linear, tp, lambda: linear.QKVParallelLinear(hidden_size=3, **layer_args))
 
@@ -375,7 +374,7 @@ die()
 
 @pytest.mark.parametrize("when", ["idle", "in-a-step"])
 def test_a_worker_whose_rank_0_died_exits_quietly(tiny_model, when):
-    # it told rank 0 why it ended, through a pipe closed by rank 0's death: a BrokenPipeError traceback
+    # it told rank 0 why it ended through a pipe closed by rank 0's death: a BrokenPipeError traceback
     done = subprocess.run([sys.executable, "-c", RANK_0_DIES, tiny_model, when], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)  # (returns once the worker, which shares its stderr, has exited)
     assert done.returncode == -signal.SIGKILL  # (the resource tracker cleans up after rank 0)
@@ -447,7 +446,7 @@ def test_an_error_on_rank_0_mid_step_ends_the_engine_without_a_hang(tiny_model):
 
 
 def test_a_segment_left_under_this_pid_by_a_killed_process_is_not_this_ones():
-    # a killed run's segment under the pid that a later pytest gets failed 18 of this file's tests
+    # a killed run's segment under the pid a later pytest got failed 18 of this file's tests
     code = ("import os, multiprocessing.shared_memory as m; from tests.conftest import shm_segments; s = m.SharedMemory"
             "(f'nanovllm-{os.getpid()}-new', create=True, size=1); print(shm_segments()); s.unlink()")
     with subprocess.Popen(["bash", "-c", 'touch /dev/shm/nanovllm-$$-old && exec "$0" -c "$1"', sys.executable, code],
@@ -460,7 +459,7 @@ def test_a_segment_left_under_this_pid_by_a_killed_process_is_not_this_ones():
 
 
 def step_held_on_rank_0(llm: LLM) -> tuple[threading.Thread, dict, threading.Event]:
-    """A step() in the background, held in rank 0's forward until the returned event is set."""
+    """A step() in the background, held in rank 0's forward until the event returned is set."""
     llm.add_request(PROMPTS[1], GREEDY)
     embed = llm.model_runner.model.model.embed_tokens
     forward, entered, release = embed.forward, threading.Event(), threading.Event()
@@ -478,7 +477,7 @@ def step_held_on_rank_0(llm: LLM) -> tuple[threading.Thread, dict, threading.Eve
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_close_waits_for_a_step_that_a_caller_runs_in_another_thread(tiny_model, tp):
-    # close() waits for another thread's step(); so does a second close() meanwhile
+    # a second close() meanwhile waits too
     llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=tp)
     stepping, stepped, release = step_held_on_rank_0(llm)
 
@@ -495,7 +494,7 @@ def test_close_waits_for_a_step_that_a_caller_runs_in_another_thread(tiny_model,
         thread.join(30)
         assert not thread.is_alive()
     assert "error" not in stepped
-    assert closed["value"] == closed_again["value"] == ([], [False] * (tp - 1), None)  # all gone when each returned
+    assert closed["value"] == closed_again["value"] == ([], [False] * (tp - 1), None)  # all gone as each returned
     with pytest.raises(RuntimeError, match="the engine is closed"):
         llm.step()
     assert shm_segments() == [] and not any(process.is_alive() for process in llm.processes)
@@ -555,7 +554,7 @@ def test_a_ctrl_c_as_an_engine_starts_or_closes_leaves_nothing_behind(tiny_model
 
 
 def test_an_error_on_rank_0_between_steps_leaves_a_tp_engine_usable(tiny_model):
-    # an error in the bookkeeping after a step's collectives leaves the worker in step
+    # in the bookkeeping after a step's collectives: the worker stays in step
     with TP2(tiny_model) as llm:
         expected = ids(generate(llm))
         complete, llm.scheduler.complete = llm.scheduler.complete, raising(ValueError("injected after the step"))
@@ -573,7 +572,7 @@ def _engine_in_a_process(model: str, queue):
 
 def test_two_engines_at_once_on_one_host(tiny_model):
     results = in_processes(_engine_in_a_process, tiny_model)
-    assert results == [(tp1_ids(tiny_model), [])] * 2  # and neither left shared memory behind
+    assert results == [(tp1_ids(tiny_model), [])] * 2  # neither left shared memory behind
 
 
 def assert_freed_within_5s(thread: threading.Thread, killed: float):
@@ -591,8 +590,7 @@ def assert_closes_within_15s(llm: LLM):
 
 def test_worker_killed_mid_generate_fails_it_within_5s(tiny_model, monkeypatch):
     llm = TP2(tiny_model)
-    long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
-    thread, outcome, killed = kill_worker_while_decoding(llm, PROMPTS, long)
+    thread, outcome, killed = kill_worker_while_decoding(llm, PROMPTS, greedy(3000))
     assert_freed_within_5s(thread, killed)
     # named, whether the watch or the step's broken collective came first
     assert re.search("worker rank 1 .* died", str(outcome.get("error"))), outcome
@@ -618,8 +616,7 @@ def test_a_step_stuck_in_a_collective_is_freed_when_a_worker_dies(tiny_model):
         return run(seqs)
 
     llm.model_runner.run = stuck_run
-    thread, outcome = in_background(generate, llm, PROMPTS[:1],
-                                    SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    thread, outcome = in_background(generate, llm, PROMPTS[:1], greedy(50))
     assert in_step.wait(60)
     os.kill(llm.processes[0].pid, signal.SIGKILL)
     assert_freed_within_5s(thread, time.monotonic())

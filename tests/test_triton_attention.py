@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from nanovllm import LLM
 from nanovllm.layers.attention import (FP8_DTYPE, VALUE_CHUNK, TorchBackend, quantize_kv, value_chunk,
                                       value_slots, values_as_cache)
-from tests.conftest import compile_for_sm90
+from tests.conftest import assert_greedy_matches_hf, compile_for_sm90, greedy
 from tests.test_gpu_attention import CASES, make_meta, random_block_tables
 
 triton_attention = pytest.importorskip("nanovllm.layers.triton_attention")
@@ -21,7 +22,7 @@ if triton_attention.triton is None:
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # float32 lands near 1e-7; bf16 operands near 5e-3
-K_SCALE, V_SCALE = 0.0625, 3.0  # FP8 scales of the tests: a kernel that forgets one is off by 16x or 3x
+K_SCALE, V_SCALE = 0.0625, 3.0  # FP8 scales: a kernel that forgets one is off by 16x or 3x
 SMS = 132  # an H200's
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
                               reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
@@ -42,7 +43,7 @@ def make_case(query_lens, context_lens, num_heads=4, num_kv_heads=2, head_dim=64
     for table, context in zip(block_tables, context_lens):  # keys past a context in its last block: read, but
         last = table[(context - 1) // block_size].long()  # must weigh nothing
         caches[0][last, (context - 1) % block_size + 1:] = float("nan")
-    if kv_fp8:  # the values laid out as the engine's cache holds them (chunked where `value_chunk` says)
+    if kv_fp8:  # values as the engine's cache holds them (chunked where `value_chunk` says)
         caches = [quantize_kv(c, s, FP8_DTYPE) for c, s in zip(caches, (K_SCALE, V_SCALE))]
         caches[1] = values_as_cache(caches[1])
     num_tokens = sum(query_lens)
@@ -73,15 +74,12 @@ def assert_close(out, expected, dtype=torch.float32):
     assert err < REL_TOL[dtype], f"relative error {err:.2e}"
 
 
-def to_device(q, k, v, caches, dtype):
-    return (q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype),
-            [c.to(DEVICE) if c.dtype == FP8_DTYPE else c.to(DEVICE, dtype) for c in caches])
-
-
 def device_case(query_lens, contexts, seed, *shape, dtype=torch.float32, **kw):
-    """`make_case` on DEVICE in `dtype`, and its reference: q, k, v, caches, meta, expected."""
+    """`make_case` on DEVICE in `dtype` (FP8 caches as they are), and its reference: q, k, v, caches, meta, expected."""
     q, k, v, caches, meta = make_case(query_lens, contexts, *shape, seed=seed, **kw)
-    return *to_device(q, k, v, caches, dtype), meta, reference(q, k, v, caches, meta, caches[0].dtype == FP8_DTYPE)
+    on_device = [c.to(DEVICE) if c.dtype == FP8_DTYPE else c.to(DEVICE, dtype) for c in caches]
+    fp8 = caches[0].dtype == FP8_DTYPE
+    return *(t.to(DEVICE, dtype) for t in (q, k, v)), on_device, meta, reference(q, k, v, caches, meta, fp8)
 
 
 def decode_case(contexts, *args, **kw):
@@ -112,11 +110,11 @@ def spy(monkeypatch, name, record=lambda ret, *a, **kw: ret, calls=None):
 def decode_cases():
     rng = random.Random(11)
     cases = []
-    for i, (head_dim, block_size) in enumerate(zip([64, 128, 256, 64, 80, 128, 64, 256],
-                                                   [16, 48, 32, 256, 16, 128, 64, 16])):
+    for i, (head_dim, block_size, splits) in enumerate([(64, 16, 1), (128, 48, 2), (256, 32, 3), (64, 256, 1),
+                                                        (80, 16, 5), (128, 128, 4), (64, 64, 1), (256, 16, 2)]):
         kv_heads = rng.choice([1, 2, 3]) if head_dim < 256 else 1
         contexts = [1, block_size, block_size + 1] + [rng.randint(2, 4 * block_size) for _ in range(2)]
-        splits, fp8, peaky, tile = [1, 2, 3, 1, 5, 4, 1, 2][i], i % 2 == 1, i in (1, 5), i in (2, 4, 5)
+        fp8, peaky, tile = i % 2 == 1, i in (1, 5), i in (2, 4, 5)
         cases.append(pytest.param(i + 1, kv_heads, head_dim, block_size, contexts, splits, fp8, peaky, tile,
                                   id=f"g{i + 1}-d{head_dim}-b{block_size}-s{splits}{'-fp8' * fp8}{'-peaky' * peaky}"
                                      f"{'-tile' * tile}"))
@@ -128,7 +126,7 @@ def decode_cases():
 def test_decode_matches_reference(group, kv_heads, head_dim, block_size, contexts, splits, fp8, peaky, tile_merge,
                                   dtype, monkeypatch):
     """16-token splits; large logits where peaky (an unscaled merge overflows); both merges."""
-    monkeypatch.setattr(triton_attention, "PER_THREAD_SPLITS", 0 if tile_merge else 32)
+    patch(monkeypatch, PER_THREAD_SPLITS=0 if tile_merge else 32)
     q, k, v, caches, meta, expected = decode_case(contexts, len(contexts) + group, group * kv_heads, kv_heads,
                                                   head_dim, block_size, fp8, dtype=dtype, q_gain=30.0 if peaky else 1.0)
     out = decode(q, caches, meta, head_dim ** -0.5, *scales_of(fp8), num_splits=splits, min_split_tokens=16)
@@ -164,7 +162,7 @@ def tiles_asked(monkeypatch, record, batches, block_size, kv_fp8, seed):
 
 
 def test_decode_takes_one_wave_tiles_while_the_gpu_holds_every_program(monkeypatch):
-    """One_wave tiles exactly when the batch is unsplit and has at most ONE_WAVE_PROGRAMS_PER_SM programs an SM."""
+    """Exactly when the batch is unsplit, with at most ONE_WAVE_PROGRAMS_PER_SM programs an SM."""
     per_sm = triton_attention.ONE_WAVE_PROGRAMS_PER_SM
     batches = ((per_sm // 2, 1), (per_sm // 2 + 1, 1), (1, 2))
     assert tiles_asked(monkeypatch, lambda ret, *a: a[5], batches, 16, False, 15) == [True, False, False]
@@ -211,7 +209,7 @@ def test_decode_keeps_one_tile_in_flight_where_contexts_are_bounded_to_two_tiles
 
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_of_an_empty_context_writes_zeros(splits, monkeypatch):
-    """Context 0 (a graph's padding row) gets zeros; NaN-filled buffers show any read of an unwritten one."""
+    """Context 0: a graph's padding row; NaN-filled buffers show any read of an unwritten one."""
     class NaNTorch:
         def __getattr__(self, name):
             return getattr(torch, name)
@@ -219,7 +217,7 @@ def test_decode_of_an_empty_context_writes_zeros(splits, monkeypatch):
         @staticmethod
         def empty(*args, **kwargs):
             return torch.empty(*args, **kwargs).fill_(float("nan"))
-    monkeypatch.setattr(triton_attention, "torch", NaNTorch())
+    patch(monkeypatch, torch=NaNTorch())
     q, k, v, caches, meta, expected = decode_case([37, 5, 90, 20], 13)
     meta.context_lens[3] = 0
     out = decode(q, caches, meta, num_splits=splits, min_split_tokens=16)
@@ -241,14 +239,14 @@ def merge_launches(monkeypatch) -> list[tuple[int, int, int]]:
     class Spy:
         def __getitem__(self, grid):
             return lambda *args, **kw: launches.append((args[5], args[6], kw["SPLITS"])) or kernel[grid](*args, **kw)
-    monkeypatch.setattr(triton_attention, "_merge_splits_kernel", Spy())
+    patch(monkeypatch, _merge_splits_kernel=Spy())
     return launches
 
 
 @pytest.mark.parametrize("per_thread", [True, False])
 def test_merge_weighs_splits_by_their_lse_without_overflow(per_thread, monkeypatch, merge_launches):
     """lse hundreds apart (exp2 overflows float32), empty (-inf) and all-empty (0) splits, both merges."""
-    monkeypatch.setattr(triton_attention, "PER_THREAD_SPLITS", 32 if per_thread else 0)
+    patch(monkeypatch, PER_THREAD_SPLITS=32 if per_thread else 0)
     gen = torch.Generator().manual_seed(5)
     partial = torch.randn(3, 2, 5, 64, generator=gen)
     lse = torch.tensor([[0.0, 300.0, -200.0, float("-inf"), -100.0], [5.0, float("-inf"), 4.0, 3.0, -400.0]])
@@ -279,8 +277,8 @@ def check_merge_of_filled_splits(contexts, filled, num_splits, seed, empty):
 
 @pytest.mark.parametrize("per_thread", [True, False])
 def test_merge_reads_only_the_splits_that_the_context_fills(per_thread, monkeypatch):
-    """Splits past a context (unwritten) are never read, both merges; a context of 0 has one empty split."""
-    monkeypatch.setattr(triton_attention, "PER_THREAD_SPLITS", 32 if per_thread else 0)
+    """Both merges; a context of 0 has one empty split."""
+    patch(monkeypatch, PER_THREAD_SPLITS=32 if per_thread else 0)
     check_merge_of_filled_splits([1, 40, 128, 300, 0], [1, 3, 8, 7, 1], 8, 6, empty=(4,))
 
 
@@ -296,7 +294,7 @@ def test_decode_default_split_size():
 
 
 def test_decode_splits_are_shorter_where_the_merge_takes_a_tile(merge_launches):
-    """Minimum split MIN_SPLIT_TOKENS_TILE_MERGE where the merge takes a tile (64 splits)."""
+    """To MIN_SPLIT_TOKENS_TILE_MERGE (64 splits)."""
     for contexts, kv_heads in (([300], 1), ([300, 1, 70, 129, 64, 200, 2, 90], 4)):
         q, k, v, caches, meta, expected = decode_case(contexts, len(contexts), 2 * kv_heads, kv_heads)
         assert_close(decode(q, caches, meta), expected)
@@ -306,7 +304,7 @@ def test_decode_splits_are_shorter_where_the_merge_takes_a_tile(merge_launches):
 
 
 def test_decode_merges_one_dim_a_thread_up_to_per_thread_splits(merge_launches):
-    """One dim a thread up to PER_THREAD_SPLITS splits, a tile past them."""
+    """A tile past them."""
     q, k, v, caches, meta, expected = decode_case([300, 7], 14, 2, 1)
     per_thread = triton_attention.PER_THREAD_SPLITS
     for splits in (per_thread, per_thread + 1):
@@ -317,7 +315,7 @@ def test_decode_merges_one_dim_a_thread_up_to_per_thread_splits(merge_launches):
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_in_any_order_writes_each_row_its_own(splits):
-    """`order` (a graph's, longest first) only reorders the programs: each row bit for bit as in batch order."""
+    """`order` (a graph's, longest first) only reorders the programs: bit for bit as in batch order."""
     q, k, v, caches, meta, expected = decode_case([9, 70, 33, 1, 50], 21)
     order = torch.tensor([1, 4, 2, 0, 3], dtype=torch.int32, device=DEVICE)
     in_order = decode(q, caches, meta, num_splits=splits, min_split_tokens=16)
@@ -361,7 +359,7 @@ def with_tile_map(meta, query_lens, contexts, group, splits, pad_tokens=0, pad_s
 def test_varlen_through_a_tile_map_matches_reference(name, num_heads, num_kv_heads, head_dim, block_size, kv_fp8,
                                                      splits, split_seqs, merge_launches, monkeypatch):
     """As a CUDA graph replays it (`varlen_graphs.py`): split decodes, padding rows left unwritten."""
-    monkeypatch.setattr(triton_attention, "VARLEN_SPLIT_SEQS", split_seqs)
+    patch(monkeypatch, VARLEN_SPLIT_SEQS=split_seqs)
     dtype = DTYPES[-1]
     query_lens, contexts = CASES[name]
     q, k, v, caches, meta, expected = device_case(query_lens, contexts, num_heads + 1, num_heads, num_kv_heads,
@@ -394,7 +392,7 @@ def test_varlen_tiles_of_other_sizes_match_reference(variant, merge_launches, mo
 @pytest.mark.parametrize("kv_fp8", [False, True])
 @pytest.mark.parametrize("split_from", [3, 4, 5])
 def test_mixed_step_gives_its_leading_decodes_to_the_decode_kernel(split_from, kv_fp8, monkeypatch):
-    """SPLIT_DECODES leading decodes or more go to the decode kernel, the rest to varlen; fewer: varlen takes all."""
+    """SPLIT_DECODES of them or more; the rest to varlen; fewer: varlen takes all."""
     query_lens, contexts = [1, 1, 1, 1, 13, 30, 1], [5, 40, 17, 64, 13, 70, 9]  # 4 leading decodes
     q, k, v, caches, meta, expected = device_case(query_lens, contexts, 5, kv_fp8=kv_fp8)
     meta = dataclasses.replace(meta, num_decodes=4)
@@ -406,15 +404,16 @@ def test_mixed_step_gives_its_leading_decodes_to_the_decode_kernel(split_from, k
     backend = object.__new__(triton_attention.TritonBackend)  # its __init__ insists on CUDA
     out = backend.forward(q, k, v, *caches, meta, q.size(-1) ** -0.5, *scales_of(kv_fp8))
     assert_close(out, expected)
+    kernels = [(name, rows) for name, rows, _ in calls]
     if split_from <= 4:
-        assert [(name, rows) for name, rows, _ in calls] == [("decode_attention", 4), ("varlen_attention", 48)]
+        assert kernels == [("decode_attention", 4), ("varlen_attention", 48)]
         assert calls[1][2].cu_seqlens_q.tolist() == [4, 17, 47, 48]  # the prompts' rows of q, and the last decode
     else:
-        assert [(name, rows) for name, rows, _ in calls] == [("varlen_attention", 48)]
+        assert kernels == [("varlen_attention", 48)]
 
 
 def test_split_decodes_needs_one_prompt_beside_the_decodes(monkeypatch):
-    monkeypatch.setattr(triton_attention, "SPLIT_DECODES", 3)
+    patch(monkeypatch, SPLIT_DECODES=3)
     q, k, v, caches, meta, expected = device_case([1, 1, 1, 13], [5, 40, 17, 30], 6)
     meta = dataclasses.replace(meta, num_decodes=3)
     out, rest = triton_attention.split_decodes(q, *caches, meta, 0.125)
@@ -433,11 +432,10 @@ def assert_same_meta(got, want):
 
 
 def test_split_decodes_builds_a_steps_parts_once(monkeypatch):
-    """A step's parts are built by its first layer and reused; new or `replace`d metadata gets its own."""
-    monkeypatch.setattr(triton_attention, "SPLIT_DECODES", 1)
+    """By its first layer, reused by the others; new or `replace`d metadata gets its own."""
     decode_args = []
-    monkeypatch.setattr(triton_attention, "decode_attention", lambda q, kc, vc, tables, lens, *a, **kw:
-                        decode_args.append((tables, lens)))
+    patch(monkeypatch, SPLIT_DECODES=1, decode_attention=lambda q, kc, vc, tables, lens, *a, **kw:
+          decode_args.append((tables, lens)))
     cache = torch.zeros(8, 16, 2, 64, device=DEVICE)
     for query_lens, contexts, n in [([1, 1, 1, 13], [5, 40, 17, 30], 3), ([1, 1, 9, 4], [33, 8, 20, 4], 2)]:
         meta = dataclasses.replace(make_case(query_lens, contexts, seed=n)[4], num_decodes=n)
@@ -457,7 +455,7 @@ def test_split_decodes_builds_a_steps_parts_once(monkeypatch):
 
 
 def test_split_metadata_without_host_lists():
-    """Metadata without the host lists (the kernels never read them) splits the same; its rest has none."""
+    """The kernels never read them: it splits the same; its rest has none."""
     meta = make_case([1, 1, 9, 4], [33, 8, 20, 4], seed=8)[4]
     meta = dataclasses.replace(meta, num_decodes=2, query_lens_host=None, context_lens_host=None)
     tables, lens, rest = meta.decodes_and_rest()
@@ -485,7 +483,7 @@ def no_cache_case(query_lens, seed, **changes):
 
 @pytest.mark.parametrize("k_layout", ["slice", "contiguous"])
 def test_varlen_without_cache_reads_this_steps_keys(k_layout):
-    """A warm-up (no cache) attends over its own k, v: strided slices, or a contiguous k (Qwen3's)."""
+    """A warm-up's: strided slices, or a contiguous k (Qwen3's)."""
     q, k, v, meta, expected, empty = no_cache_case([1, 17, 40, 5], 5)
     fused = torch.cat([k.flatten(1), v.flatten(1)], dim=1).to(DEVICE)
     k, v = fused[:, :k[0].numel()].view(k.shape), fused[:, k[0].numel():].view(v.shape)
@@ -496,8 +494,8 @@ def test_varlen_without_cache_reads_this_steps_keys(k_layout):
 
 
 def test_step_without_cache_keeps_its_leading_decodes_on_the_varlen_path(monkeypatch):
-    """Before the cache exists, leading decodes stay on the varlen path (the decode kernel reads only the cache)."""
-    monkeypatch.setattr(triton_attention, "SPLIT_DECODES", 3)
+    """(The decode kernel reads only the cache.)"""
+    patch(monkeypatch, SPLIT_DECODES=3)
     q, k, v, meta, expected, empty = no_cache_case([1, 1, 1, 13], 15, num_decodes=3)
     out = triton_attention.paged_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), empty, empty, meta, 0.125)
     assert_close(out, expected)
@@ -545,7 +543,7 @@ def test_decode_splits_fill_the_gpu():
 
 
 def test_decode_splits_of_short_contexts():
-    """With max_context, at most the power of two >= context / MIN_SPLIT_TOKENS splits, up to SHORT_CONTEXT_SPLITS."""
+    """At most the power of two >= max_context / MIN_SPLIT_TOKENS splits, up to SHORT_CONTEXT_SPLITS."""
     splits = triton_attention.decode_splits
     assert (triton_attention.MIN_SPLIT_TOKENS, triton_attention.SHORT_CONTEXT_SPLITS) == (128, 16)
     assert splits(8, 8, SMS) == 8
@@ -618,7 +616,7 @@ def test_fp8_decode_splits_fill_an_sm_of_its_programs():
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
 def test_decode_splits_by_the_caches_bytes(kv_fp8, monkeypatch, merge_launches):
-    """Splits by the cache's dtype: 8 programs on 4 SMs fill them over float32, split in 3 over FP8."""
+    """8 programs on 4 SMs fill them over float32, split in 3 over FP8."""
     patch(monkeypatch, _num_sms=lambda device: 4)
     q, k, v, caches, meta, expected = decode_case([300, 1, 70, 129, 64, 200, 2, 90], 30, 2, 1, kv_fp8=kv_fp8)
     assert_close(decode(q, caches, meta, 0.125, *scales_of(kv_fp8)), expected)
@@ -627,11 +625,9 @@ def test_decode_splits_by_the_caches_bytes(kv_fp8, monkeypatch, merge_launches):
 
 @pytest.mark.parametrize("split_decodes", [0, 1])
 def test_engine_on_triton_kernels_matches_hf(tiny_model, hf_model, monkeypatch, split_decodes):
-    """The engine swapped onto the Triton backend: prefill chunks, mixed steps, prefix hits, split decodes."""
+    """Swapped onto it: prefill chunks, mixed steps, prefix hits, split decodes."""
     if DEVICE.type == "cuda":
         pytest.skip("on CUDA the engine picks its backend itself (tests/test_kv_cache_dtype.py)")
-    from nanovllm import LLM, SamplingParams
-    from tests.conftest import assert_greedy_matches_hf
     # small: the interpreter copies every tensor argument (the caches too) to the host and back each launch
     llm = LLM(tiny_model, kvcache_block_size=16, max_num_batched_tokens=32, num_kvcache_blocks=24)
     backend = object.__new__(triton_attention.TritonBackend)  # its __init__ insists on CUDA
@@ -644,7 +640,7 @@ def test_engine_on_triton_kernels_matches_hf(tiny_model, hf_model, monkeypatch, 
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 20, 40, 17)]
     prompts.append(prompts[2][:32] + [9])  # a prefix hit on two full blocks once prompts[2] is cached
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 12, 4, 8, 6)]
+    params = [greedy(n) for n in (3, 12, 4, 8, 6)]
     llm.generate(prompts[2:3], params[2], use_tqdm=False)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert outputs[-1]["num_cached_tokens"] == 32
@@ -686,7 +682,7 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
 
 
 def test_kernels_compile_for_sm90():
-    """The interpreter does not type-check as the compiler does: attention, merges and KV store compile for sm90."""
+    """The interpreter does not type-check as the compiler does: attention, merges and KV store."""
     deep = triton_attention.FP8_DEEP_PROGRAMS_PER_SM
     cases = [attention_case("bf16", decode=True, split=True), attention_case("bf16", decode=True),
              attention_case("fp8e4nv", decode=True), attention_case("fp8e4nv", decode=True, programs_per_sm=deep),
@@ -714,11 +710,9 @@ def test_kernels_compile_for_sm90():
 
 
 def engine_on_triton_matches_hf(tmp_path, monkeypatch, record, prepare=lambda llm, calls: None, **llm_kw):
-    """The engine built on the Triton backend, 4 "SMs": tokens as HF's; the decode calls, `record`ed."""
-    from nanovllm import LLM, SamplingParams
+    """The engine built on the Triton backend, 4 "SMs": tokens as HF's; the decode calls `record`ed."""
     from nanovllm.engine import model_runner
     from nanovllm.utils.random_checkpoint import make_random_checkpoint
-    from tests.conftest import assert_greedy_matches_hf
     from tests.test_models import hf_model
     monkeypatch.setattr(model_runner.ModelRunner, "_backend_name", lambda self: "triton")
     patch(monkeypatch, triton_available=lambda: True, _num_sms=lambda device: 4)
@@ -727,7 +721,7 @@ def engine_on_triton_matches_hf(tmp_path, monkeypatch, record, prepare=lambda ll
     prompts = [[5, 9, 200, 31], [7] * 40, list(range(3, 60))]
     with LLM(str(path), kvcache_block_size=16, max_num_batched_tokens=64, num_kvcache_blocks=24, **llm_kw) as llm:
         prepare(llm, calls)
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+        outputs = llm.generate(prompts, greedy(5), use_tqdm=False)
     hf = hf_model(path)
     for prompt, out in zip(prompts, outputs):
         assert_greedy_matches_hf(hf, prompt, out["token_ids"])

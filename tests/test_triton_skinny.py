@@ -5,20 +5,21 @@ import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 
-from tests.conftest import assert_greedy_matches_hf, compile_for_sm90
+from nanovllm.utils.random_checkpoint import make_random_checkpoint
+from tests.conftest import assert_greedy_matches_hf, compile_for_sm90, greedy
+from tests.test_models import FAMILIES, check_against_hf, family_checkpoint
 
 triton_skinny = pytest.importorskip("nanovllm.layers.triton_skinny")
 if triton_skinny.triton is None:
     pytest.skip("Triton does not import here", allow_module_level=True)
 
+from nanovllm.layers import linear  # noqa: E402
 from nanovllm.layers.activation import GeluAndMul, SiluAndMul  # noqa: E402
-from nanovllm.layers.attention import VALUE_CHUNK  # noqa: E402
+from nanovllm.layers.attention import FP8_DTYPE, VALUE_CHUNK, TorchBackend  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
+from tests.test_triton_attention import CPU_ONLY, DEVICE, assert_stored_as  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6
-CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
-                              reason="CPU, through the interpreter (GPU: test_gpu_engine.py)")
 
 
 def seeded(seed):
@@ -111,7 +112,6 @@ def test_the_plans_tiles_match_the_unfused_layers(m):
 def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
     """Rope and KV store in the epilogue: GQA, biases, norms, FP8 caches (chunked too), K in parts or not."""
     import random
-    from tests.test_triton_attention import assert_stored_as
     from tests.test_triton_rope_store import case, unfused
     rng = random.Random(seed)
     num_kv_heads, head_dim = rng.choice([1, 2]), rng.choice([32, 64])
@@ -184,14 +184,12 @@ def test_qkv_with_rope_rounds_the_projection_as_the_unfused_layers(qk_norm, bloc
                                              block_k)
     assert torch.equal(out[:, :num_heads * head_dim].view(m, num_heads, head_dim), want_q)
     assert torch.equal(out[:, num_heads * head_dim:].cpu(), qkv[:, num_heads * head_dim:])
-    for got, want in zip(caches, want_caches):
-        assert torch.equal(got, want)
+    assert all(map(torch.equal, caches, want_caches))
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_qkv_with_rope_rounds_fp8_keys_as_the_fused_store(qk_norm):
     """Rotated keys are rounded before quantizing, as `rope_store` (else ~0.4% of keys differ)."""
-    from nanovllm.layers.attention import FP8_DTYPE
     gen = seeded(2)
     m, num_kv_heads, head_dim = 32, 2, 64
     x, w, _, heads, cos_sin = integer_qkv(m, 2, num_kv_heads, head_dim, 16, gen)
@@ -205,7 +203,7 @@ def test_qkv_with_rope_rounds_fp8_keys_as_the_fused_store(qk_norm):
 
 
 def enable(monkeypatch, pdl, **values):
-    """The skinny path on, on this device, with dependent launches or not (and other module settings)."""
+    """The skinny path on, on this device, with dependent launches or not, `values` set."""
     values = dict(ENABLED=True, DEVICE_TYPE=DEVICE.type, pdl_launch=lambda device: pdl, **values)
     for name, value in values.items():
         monkeypatch.setattr(triton_skinny, name, value)
@@ -222,24 +220,27 @@ def test_fuses_rope_only_where_tl_dot_takes_half_a_head(monkeypatch):
     assert not triton_skinny.fuses_rope(x, torch.zeros(512, 256, device=DEVICE), 128)
 
 
+def spy(monkeypatch, record) -> list:
+    """`record(x, kwargs)` of each skinny_linear call (which still runs)."""
+    calls, skinny = [], triton_skinny.skinny_linear
+
+    def wrapper(x, w, bias=None, **kw):
+        calls.append(record(x, kw))
+        return skinny(x, w, bias, **kw)
+    monkeypatch.setattr(triton_skinny, "skinny_linear", wrapper)
+    return calls
+
+
 @pytest.fixture
 def skinny_calls(monkeypatch):
     """The skinny path on as on an H200 (PDL): (x's shape, norm?, gated?, residual?) of each call."""
     enable(monkeypatch, True)
-    calls = []
-    skinny = triton_skinny.skinny_linear
-
-    def spy(x, w, bias=None, **kw):
-        calls.append((tuple(x.shape), kw.get("norm") is not None, kw.get("gated", False),
-                      kw.get("residual") is not None))
-        return skinny(x, w, bias, **kw)
-    monkeypatch.setattr(triton_skinny, "skinny_linear", spy)
-    return calls
+    return spy(monkeypatch, lambda x, kw: (tuple(x.shape), kw.get("norm") is not None, kw.get("gated", False),
+                                           kw.get("residual") is not None))
 
 
 def test_linear_fuses_norm_silu_and_residual(skinny_calls):
-    """Few rows fuse norm, silu gate and residual; more rows, gelu or x by columns take the layers."""
-    from nanovllm.layers import linear
+    """Few rows fuse them; more rows, gelu or x by columns take the layers."""
     gen = seeded(4)
     norm = RMSNorm(300, eps=EPS)
     norm.weight.data.copy_(torch.rand(300, generator=gen) + 0.5)
@@ -259,14 +260,13 @@ def test_linear_fuses_norm_silu_and_residual(skinny_calls):
 
 def test_wide_products_need_dependent_launches(skinny_calls, monkeypatch):
     """Without PDL, products at least as wide as deep (qkv, gate/up) stay on cuBLAS; o_proj and down do not."""
-    from nanovllm.layers import linear
     gen = seeded(6)
     x, wide, narrow = (torch.randn(*shape, generator=gen).to(DEVICE) for shape in ((4, 64), (128, 64), (32, 64)))
     norm = RMSNorm(64, eps=EPS).to(DEVICE)
-    monkeypatch.setattr(triton_skinny, "pdl_launch", lambda device: False)
+    enable(monkeypatch, False)
     assert rel_error(linear.linear(x, wide, None, norm), reference(x.cpu(), wide.cpu(), None, norm.weight.cpu())) < 1e-5
     linear.linear(x, narrow, None)
-    monkeypatch.setattr(triton_skinny, "pdl_launch", lambda device: True)
+    enable(monkeypatch, True)
     linear.linear(x, wide, None, norm)
     assert skinny_calls == [((4, 64), False, False, False), ((4, 64), True, False, False)]
 
@@ -277,20 +277,19 @@ def test_square_products_need_dependent_launches(monkeypatch):
     x = torch.zeros(4, 64, device=DEVICE)
     assert triton_skinny.fits(x, torch.zeros(63, 64, device=DEVICE))
     assert not triton_skinny.fits(x, torch.zeros(64, 64, device=DEVICE))
-    monkeypatch.setattr(triton_skinny, "pdl_launch", lambda device: True)
+    enable(monkeypatch, True)
     assert triton_skinny.fits(x, torch.zeros(64, 64, device=DEVICE))
 
 
 def row_parallel(gen, k, n):
-    from nanovllm.layers.linear import RowParallelLinear
-    layer = RowParallelLinear(k, n, bias=True)
+    layer = linear.RowParallelLinear(k, n, bias=True)
     layer.weight.data.copy_(torch.randn(n, k, generator=gen))
     layer.bias.data.copy_(torch.randn(n, generator=gen))
     return layer
 
 
 def test_row_parallel_layers_add_the_residual_in_it(skinny_calls):
-    """o_proj and down are RowParallelLinear: a decode step's few rows take the kernel, bias and residual included."""
+    """o_proj and down: a decode step's few rows take the kernel, bias included."""
     gen = seeded(5)
     layer = row_parallel(gen, 300, 40)
     x, res = torch.randn(3, 300, generator=gen), torch.randn(3, 40, generator=gen)
@@ -300,8 +299,7 @@ def test_row_parallel_layers_add_the_residual_in_it(skinny_calls):
 
 
 def test_row_parallel_ranks_add_the_residual_after_the_all_reduce(skinny_calls, monkeypatch):
-    """Under tensor parallelism, rank 0's bias in the kernel, the residual after the all-reduce."""
-    from nanovllm.layers import linear
+    """Rank 0's bias in the kernel."""
     gen = seeded(7)
     layer = row_parallel(gen, 64, 24).to(DEVICE)
     x = torch.randn(3, 64, generator=gen)
@@ -376,9 +374,9 @@ def test_counters_grow_with_the_blocks():
 
 def generate_as_hf(model, hf, prompts, **llm_kw):
     """Six greedy tokens a prompt, as HF's (teacher-forced)."""
-    from nanovllm import LLM, SamplingParams
+    from nanovllm import LLM
     with LLM(str(model), kvcache_block_size=16, **llm_kw) as llm:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        outputs = llm.generate(prompts, greedy(6), use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
         assert_greedy_matches_hf(hf, prompt, out["token_ids"])
 
@@ -393,33 +391,22 @@ def test_decode_steps_through_the_fused_kernels_match_hf(tiny_model, hf_model, s
 @CPU_ONLY
 @pytest.mark.parametrize("family", ["llama-linear-rope-biases", "qwen3-moe-sparse-step-and-dense-layers"])
 def test_other_families_decode_through_it(tmp_path, skinny_calls, family):
-    """Biases everywhere (Llama), MoE beside dense layers (MLP left to torch): tokens as HF's."""
-    from nanovllm.utils.random_checkpoint import make_random_checkpoint
-    from tests.test_models import FAMILIES, check_against_hf
-    shape, overrides = FAMILIES[family]
-    check_against_hf(make_random_checkpoint(tmp_path / family, shape, **overrides))
+    """Biases everywhere (Llama), MoE beside dense layers (MLP left to torch)."""
+    check_against_hf(family_checkpoint(tmp_path, family))
     assert {call[1:] for call in skinny_calls} >= {(True, False, False), (False, False, True)}
 
 
 @CPU_ONLY
 @pytest.mark.parametrize("family", ["tiny", "llama-linear-rope-biases"])
 def test_decode_steps_with_rope_in_the_projection_match_hf(tmp_path, skinny_calls, monkeypatch, family):
-    """Rope and KV store in decode steps' qkv projection (heads of 32): tokens as HF's."""
-    from nanovllm.layers.attention import TorchBackend
-    from nanovllm.utils.random_checkpoint import make_random_checkpoint
-    from tests.test_models import FAMILIES, hf_model
+    """In decode steps' qkv projection (heads of 32)."""
+    from tests.test_models import hf_model
     monkeypatch.setattr(TorchBackend, "fuses_rope_store", True)
-    ropes = []
-    skinny = triton_skinny.skinny_linear
-
-    def spy(x, w, bias=None, **kw):
-        ropes.append((x.size(0), kw.get("rope") is not None))
-        return skinny(x, w, bias, **kw)
-    monkeypatch.setattr(triton_skinny, "skinny_linear", spy)
+    ropes = spy(monkeypatch, lambda x, kw: kw.get("rope") is not None)
     shape, overrides = FAMILIES.get(family, ("tiny", {}))
     path = make_random_checkpoint(tmp_path / family, shape, **dict(overrides, head_dim=32))
     generate_as_hf(path, hf_model(path), [[5, 9, 200, 31], [7] * 40, list(range(3, 60))], num_kvcache_blocks=24)
-    assert sum(rope for _, rope in ropes) >= 2 * 5  # two layers, five decode steps at least
+    assert sum(ropes) >= 2 * 5  # two layers, five decode steps at least
 
 
 @pytest.mark.gpu
