@@ -13,8 +13,9 @@ MIN_TEMPERATURE = 0.01  # a lower one but 0 is raised to it (vLLM's _MAX_TEMP)
 
 @dataclass(slots=True)
 class SamplingParams:
+    # nano-vllm's three fields come first, so its positional calls still work
     temperature: float = 1.0  # 0 means greedy
-    max_tokens: int = 64  # nano-vllm's three fields come first, so its positional calls still work
+    max_tokens: int | None = 64  # None: up to max_model_len, as vLLM
     ignore_eos: bool = False
     top_p: float = 1.0  # keep the most likely tokens whose probabilities sum to top_p (1 = off)
     top_k: int = 0  # keep the k most likely tokens (0 or -1 = off)
@@ -38,7 +39,7 @@ class SamplingParams:
             if not math.isfinite(value):
                 raise ValueError(f"{name}={value} must be finite")
             setattr(self, name, float(value))
-        for name in ("top_k", "max_tokens", "min_tokens"):
+        for name in ("top_k", "min_tokens") + ("max_tokens",) * (self.max_tokens is not None):
             setattr(self, name, _check_int(name, getattr(self, name)))
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
@@ -53,9 +54,9 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 1, or 0 or -1 to turn it off")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1 (or None: up to max_model_len)")
+        if self.min_tokens < 0 or self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:

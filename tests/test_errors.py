@@ -86,6 +86,14 @@ def test_sampling_params_at_the_edges_of_their_ranges_are_taken():
                    {"frequency_penalty": 2.0, "presence_penalty": 2.0}, {"top_p": 1.0, "min_p": 1.0},
                    {"min_tokens": 4, "max_tokens": 4}, {"logprobs": 0}, {"stop_token_ids": [0]}):
         SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match="min_tokens=-1"):
+        SamplingParams(max_tokens=None, min_tokens=-1)
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    unbounded = SamplingParams(temperature=0, max_tokens=None, min_tokens=100, ignore_eos=True)
+    out = llm.generate([[5, 6, 7]], unbounded, use_tqdm=False)[0]
+    assert (out["finish_reason"], len(out["token_ids"])) == ("length", 64 - 3)
     with pytest.raises(ValueError, match="stop token id -1 must be >= 0"):
         SamplingParams(stop_token_ids=[7, -1])
 

@@ -109,7 +109,8 @@ class Scheduler:
         return scheduled
 
     def _reaches_length(self, seq: Sequence) -> bool:
-        return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        limit = seq.params.max_tokens
+        return seq.num_tokens >= self.max_model_len or limit is not None and seq.num_completion_tokens >= limit
 
     @staticmethod
     def _take(seq: Sequence, budget: int) -> int:
