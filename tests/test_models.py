@@ -190,6 +190,9 @@ def test_unknown_rope_type_and_activation_are_errors(tmp_path):
     rewrite_config(path, rope_parameters=dict(rope_type="default", rope_theta=10000.0), hidden_act="relu2")
     with pytest.raises(ValueError, match=r"hidden_act='relu2' is not supported; .*'silu'"):
         LLM(str(path))
+    rewrite_config(path, hidden_act="silu", quantization_config=dict(quant_method="fp8", fmt="e4m3"))
+    with pytest.raises(ValueError, match=r"quantized checkpoints \(quantization_config quant_method='fp8'\)"):
+        LLM(str(path))
     moe = make_random_checkpoint(tmp_path / "moe", "tiny-qwen3-moe")
     rewrite_config(moe, hidden_act="gelu")
     with pytest.raises(ValueError, match="hidden_act='gelu' is not supported in mixture-of-experts layers"):

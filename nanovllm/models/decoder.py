@@ -203,6 +203,10 @@ class DecoderForCausalLM(nn.Module):
     @classmethod
     def check(cls, config: PretrainedConfig, max_model_len: int | None = None):
         """Raise ValueError for a config this engine would run wrongly (before any weight is allocated)."""
+        quantization = getattr(config, "quantization_config", None)
+        if quantization:  # its weights would load as plain ones, unscaled, or fail on tensors no layer has
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+            raise ValueError(f"quantized checkpoints (quantization_config quant_method={method!r}) are not supported")
         rope_inv_freq(config, head_dim(config))
         gated_activation(config.hidden_act)
         window = sliding_window(config)
