@@ -39,8 +39,10 @@ class SamplingParams:
             if not math.isfinite(value):
                 raise ValueError(f"{name}={value} must be finite")
             setattr(self, name, float(value))
-        for name in ("top_k", "min_tokens") + ("max_tokens",) * (self.max_tokens is not None):
+        for name in ("top_k", "min_tokens"):
             setattr(self, name, _check_int(name, getattr(self, name)))
+        if self.max_tokens is not None:
+            self.max_tokens = _check_int("max_tokens", self.max_tokens)
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
