@@ -293,8 +293,10 @@ class EngineLoop:
 
     def keep_for_step(self, handle: RequestHandle | None):
         """A request finished: keep an `add_request` one's tokens for `step()` to return, whoever stepped it."""
+        if handle is None or not handle.for_step:  # the mark only ever goes off: no lock needed to see it off
+            return
         with self.cond:
-            if handle is not None and handle.for_step:
+            if handle.for_step:
                 self.unreported[handle.request_id] = handle.seq.completion_token_ids
 
     def check(self):
