@@ -138,7 +138,8 @@ def test_results_equal_generate_and_chat(llm, tmp_path):
 
 
 BAD_LINES = {  # code: [(line, what the message must name)]; each line's number is in its message too
-    "invalid_json": [("this is not json", "not valid JSON"), (b'{"custom_id": "\xff\xfe"}', "not UTF-8")],
+    "invalid_json": [("this is not json", "not valid JSON"), (b'{"custom_id": "\xff\xfe"}', "not UTF-8"),
+                     ('{"n": ' + "9" * 5000 + "}", "digits"), ("[" * 10**5 + "]" * 10**5, "recursion")],
     "invalid_request": [
         ('[1, 2]', "not an object"),
         ({**request("get", prompt="x"), "method": "GET"}, "'GET'"),

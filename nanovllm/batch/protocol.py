@@ -69,7 +69,7 @@ def read_line(text: str, line: int) -> tuple[dict, str]:
     """The parsed line and its custom_id; a LineError (custom_id None) when the line cannot be identified."""
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # also an integer past Python's digit limit, or too deep a nesting
         raise LineError("invalid_json", f"line {line} is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise LineError("invalid_request", f"line {line} is a JSON {type(obj).__name__}, not an object")
