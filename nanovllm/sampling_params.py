@@ -36,9 +36,13 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name}={value!r} must be a number")
+            try:
+                value = float(value)
+            except OverflowError:  # an int past float's range
+                value = math.inf if value > 0 else -math.inf
             if not math.isfinite(value):
                 raise ValueError(f"{name}={value} must be finite")
-            setattr(self, name, float(value))
+            setattr(self, name, value)
         for name in ("top_k", "min_tokens"):
             setattr(self, name, _check_int(name, getattr(self, name)))
         if self.max_tokens is not None:

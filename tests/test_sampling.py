@@ -466,6 +466,7 @@ def test_chat_without_a_template_is_a_clear_error(llm, monkeypatch):
     ({"logprobs": -1}, ValueError, "logprobs=-1"),
     ({"presence_penalty": 3.0}, ValueError, "presence_penalty=3.0 must be in \\[-2, 2\\]"),
     ({"frequency_penalty": float("inf")}, ValueError, "frequency_penalty=inf must be finite"),
+    ({"temperature": -10**400}, ValueError, "temperature=-inf must be finite"),  # not OverflowError
     ({"repetition_penalty": 0}, ValueError, "repetition_penalty=0.0 must be > 0"),
     ({"skip_special_tokens": 1}, TypeError, "skip_special_tokens=1"),
 ])
