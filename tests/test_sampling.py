@@ -67,9 +67,10 @@ def test_plain_rows_take_the_fast_path():
 
     plain = of(SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=0.7, stop="x"))
     assert plain.is_plain and plain.temperatures.tolist() == pytest.approx([1.0, 0.0, 0.7])
-    full = of(SamplingParams(), SamplingParams(top_k=3), SamplingParams(min_tokens=2, stop_token_ids=[63]))
+    full = of(SamplingParams(), SamplingParams(top_k=3), SamplingParams(min_tokens=2, stop_token_ids=[63]),
+              SamplingParams(top_k=2**63))  # past int64: all of the vocabulary
     assert not full.is_plain
-    assert full.top_k.tolist() == [64, 3, 64] and full.top_p is None and full.penalties is None
+    assert full.top_k.tolist() == [64, 3, 64, 64] and full.top_p is None and full.penalties is None
     assert full.banned[2, 1] and full.banned[2, 63] and not full.banned[:2].any()  # only the row short of min_tokens
 
 

@@ -27,7 +27,7 @@ def build_sampling_batch(seqs: list[Sequence], eos_token_ids: frozenset[int], vo
     if is_plain(seqs):
         return batch
     if any(p.top_k > 0 for p in params):
-        batch.top_k = column([p.top_k if p.top_k > 0 else vocab_size for p in params], np.int64)
+        batch.top_k = column([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], np.int64)
     if any(p.top_p < 1 for p in params):
         batch.top_p = column([p.top_p if p.top_p < 1 else 2.0 for p in params])  # > 1: keeps every token
     if any(p.min_p > 0 for p in params):
