@@ -177,6 +177,7 @@ BAD_LINES = {  # code: [(line, what the message must name)]; each line's number 
         (request("toplp-false", CHAT, messages=user("x"), top_logprobs=2, logprobs=False),
          "top_logprobs needs logprobs=true"),  # not just given
         (request("chatlp", CHAT, messages=user("x"), logprobs=5), "logprobs=5"),
+        (request("lp21", prompt="x", logprobs=21), r"logprobs=21 must be in [0, 20]"),
         (request("role", CHAT, messages=[{"role": "system", "content": "Hi"}, {"content": "Hi"}]),
          "messages[1] must be an object with a string role"),  # found as the line is parsed
         (request("role5", CHAT, messages=[{"role": "system", "content": "Hi"}, {"role": 5, "content": "Hi"}]),

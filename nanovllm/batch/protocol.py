@@ -24,6 +24,7 @@ from nanovllm.sampling_params import SamplingParams
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
 MAX_N = 128  # OpenAI's limit on choices per request
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, for both urls: a line's logprobs must not fill the memory
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 # body fields, by what they become; any other field is an error (a typo must not be ignored silently)
@@ -124,14 +125,14 @@ def _parse_body(url: str, body: dict, custom_id: str, line: int) -> BatchRequest
         if not isinstance(get("logprobs", False), bool):
             raise TypeError(f"logprobs={get('logprobs')!r} must be true or false for {CHAT_URL}")
         if get("logprobs"):
-            sampling["logprobs"] = _int(get("top_logprobs", 0), "top_logprobs", 0, 20)
+            sampling["logprobs"] = _int(get("top_logprobs", 0), "top_logprobs", 0, MAX_LOGPROBS)
         template_kwargs = get("chat_template_kwargs")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be an object, not {type(template_kwargs).__name__}")
     else:
         prompts = _prompts(get("prompt"))
         if get("logprobs") is not None:
-            sampling["logprobs"] = _int(get("logprobs"), "logprobs", 0)
+            sampling["logprobs"] = _int(get("logprobs"), "logprobs", 0, MAX_LOGPROBS)
     # checked now, so a bad value is reported before anything runs (max_tokens is settled per prompt later)
     SamplingParams(**sampling, max_tokens=max_tokens or 1 << 30)
     return BatchRequest(line, custom_id, url, prompts, messages, template_kwargs, sampling, max_tokens, n)
