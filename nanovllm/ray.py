@@ -45,9 +45,18 @@ class _Replica:
         from nanovllm.llm import LLM
         self.llm = LLM(model, **engine_args)
 
-    def _collect(self, handles: list) -> list[dict | None]:
+    def _collect(self, handles: list) -> list[dict | Exception | None]:
+        """Each handle's output, or the error of one that failed on its own (`RequestHandle.failed_alone`)."""
+        outputs = []
         try:
-            return [None if handle is None else handle.result() for handle in handles]
+            for handle in handles:
+                try:
+                    outputs.append(handle and handle.result())
+                except Exception as e:
+                    if not handle.failed_alone:
+                        raise
+                    outputs.append(e)
+            return outputs
         except BaseException:  # an engine failure: leave nothing of this batch running
             for handle in handles:
                 if handle is not None and not handle.finished:
@@ -76,6 +85,9 @@ class _GenerateReplica(_Replica):
                 errors.append(str(e))
                 prompt_lens.append(0)
         outputs = self._collect(handles)
+        for i, out in enumerate(outputs):
+            if isinstance(out, Exception):  # that row's own error; the rest of the batch stands
+                outputs[i], errors[i] = None, f"the request failed: {type(out).__name__}: {out}"
         columns = {
             "generated_text": pa.array([o and o["text"] for o in outputs], pa.string()),
             "generated_token_ids": pa.array([o["token_ids"] if o else [] for o in outputs], pa.list_(pa.int64())),

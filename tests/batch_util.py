@@ -64,3 +64,35 @@ def main_here(argv: list[str], llm=None) -> int:
         return main(argv, llm=llm)
     except KeyboardInterrupt as e:
         pytest.fail(f"{e!r} escaped main")
+
+
+def on_submit(llm, monkeypatch, act):
+    """act(handle, token_ids) on each request llm.submit makes."""
+    submit = llm.submit
+
+    def submit_then_act(ids, params):
+        handle = submit(ids, params)
+        act(handle, ids)
+        return handle
+
+    monkeypatch.setattr(llm, "submit", submit_then_act)
+
+
+def at_submit(llm, monkeypatch, prompt: str, act, nth: int = 1):
+    """act(handle) on the nth submission of `prompt`, as it is made, until monkeypatch.undo()."""
+    prompt_ids, seen = llm.encode(prompt), [0]
+
+    def act_on_nth(handle, ids):
+        seen[0] += ids == prompt_ids
+        if ids == prompt_ids and seen[0] == nth:
+            act(handle)
+
+    on_submit(llm, monkeypatch, act_on_nth)
+
+
+def poison_at_submit(llm, monkeypatch, prompt: str, callback: str = "_on_token"):
+    """The first submission of `prompt` fails alone (`LLMEngine._fail_request`) at its next token or its finish."""
+    def undecodable(*args):
+        raise ValueError("injected undecodable token")
+
+    at_submit(llm, monkeypatch, prompt, lambda handle: setattr(handle, callback, undecodable))

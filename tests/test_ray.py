@@ -12,7 +12,8 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.run_batch import main
-from tests.batch_util import CHAT, choices, main_here, read_results, request, tear_first_line_then_signal, write_lines
+from tests.batch_util import (CHAT, choices, main_here, poison_at_submit, read_results, request,
+                              tear_first_line_then_signal, write_lines)
 from tests.conftest import within
 
 ray = pytest.importorskip("ray")  # the test extra has it; the GPU machine does not
@@ -169,11 +170,22 @@ def test_without_ray_the_error_says_how_to_get_it(tiny_model, tmp_path, monkeypa
 def test_an_engine_failure_aborts_the_batch_left_unfinished():
     from nanovllm.ray import _Replica
     aborted = []
-    handles = [SimpleNamespace(result=lambda: 1 / 0, finished=i == 1, abort=lambda i=i: aborted.append(i))
-               for i in range(3)]
+    handles = [SimpleNamespace(result=lambda: 1 / 0, finished=i == 1, abort=lambda i=i: aborted.append(i),
+                               failed_alone=False) for i in range(3)]
     with pytest.raises(ZeroDivisionError):
         _Replica._collect(None, [None, *handles])
     assert aborted == [0, 2]
+
+
+def test_a_row_that_fails_on_its_own_is_its_error_not_the_batchs(llm, monkeypatch):
+    import pyarrow as pa
+    from nanovllm.ray import _GenerateReplica
+    replica = object.__new__(_GenerateReplica)  # on this engine, outside Ray
+    replica.llm, replica.params, replica.chat_template = llm, GREEDY, None
+    poison_at_submit(llm, monkeypatch, "bad")
+    rows = within(60, replica, pa.table({"prompt": ["good", "bad"]})).to_pylist()
+    assert rows[0]["error"] is None and len(rows[0]["generated_token_ids"]) == GREEDY.max_tokens
+    assert "injected undecodable token" in rows[1]["error"] and rows[1]["generated_token_ids"] == []
 
 
 def test_a_replica_reserves_a_cpu_or_a_gpu_per_rank(monkeypatch):

@@ -15,8 +15,8 @@ from nanovllm.batch.protocol import MAX_N, MIN_LOGPROB, LineError, parse_request
 from nanovllm.batch.results import ResultsFile, signals_held
 from nanovllm.config import Config
 from nanovllm.run_batch import build_parser, count_lines, main
-from tests.batch_util import (CHAT, COMPLETIONS, choices, main_here, read_results, request, tear_first_line_then_signal,
-                              write_lines)
+from tests.batch_util import (CHAT, COMPLETIONS, at_submit, choices, main_here, on_submit, poison_at_submit,
+                              read_results, request, tear_first_line_then_signal, write_lines)
 from tests.conftest import greedy, in_background, within
 
 MAX_MODEL_LEN = 128
@@ -26,18 +26,6 @@ MAX_MODEL_LEN = 128
 def llm(tiny_model):
     with LLM(tiny_model, kvcache_block_size=16, max_model_len=MAX_MODEL_LEN) as engine:
         yield engine
-
-
-def on_submit(llm, monkeypatch, act):
-    """act(handle, token_ids) on each request llm.submit makes."""
-    submit = llm.submit
-
-    def submit_then_act(ids, params):
-        handle = submit(ids, params)
-        act(handle, ids)
-        return handle
-
-    monkeypatch.setattr(llm, "submit", submit_then_act)
 
 
 def run(llm, input_path, output_path, *flags, here=False) -> int:
@@ -443,18 +431,6 @@ def test_an_engine_failure_stops_the_run_and_a_rerun_finishes_it(llm, tmp_path, 
     assert llm.is_finished()
 
 
-def at_submit(llm, monkeypatch, prompt: str, act, nth: int = 1):
-    """act(handle) on the nth submission of `prompt`, as it is made, until monkeypatch.undo()."""
-    prompt_ids, seen = llm.encode(prompt), [0]
-
-    def act_on_nth(handle, ids):
-        seen[0] += ids == prompt_ids
-        if ids == prompt_ids and seen[0] == nth:
-            act(handle)
-
-    on_submit(llm, monkeypatch, act_on_nth)
-
-
 @pytest.mark.parametrize("n, bad", [(1, []), (1, ["{oops"]), (2, [])],
                          ids=["one", "beside-a-bad-line", "one-choice-of-two"])
 def test_an_aborted_request_is_not_a_result(llm, tmp_path, monkeypatch, capsys, n, bad):
@@ -469,14 +445,6 @@ def test_an_aborted_request_is_not_a_result(llm, tmp_path, monkeypatch, capsys, 
     assert run(llm, inp, out) == (1 if bad else 0)  # finished now: only the bad line failed
     results = read_results(out)
     assert sorted(results) == ["batch_req_line4"] * len(bad) + ["r0", "r1", "r2"] and len(choices(results["r1"])) == n
-
-
-def poison_at_submit(llm, monkeypatch, prompt: str, callback: str = "_on_token"):
-    """The first submission of `prompt` fails alone (`LLMEngine._fail_request`) at its next token or its finish."""
-    def undecodable(*args):
-        raise ValueError("injected undecodable token")
-
-    at_submit(llm, monkeypatch, prompt, lambda handle: setattr(handle, callback, undecodable))
 
 
 @pytest.mark.parametrize("n, callback", [(1, "_on_token"), (2, "_on_token"), (1, "_on_finish")])
