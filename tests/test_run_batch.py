@@ -5,6 +5,7 @@ import os
 import signal
 import time
 import typing
+from types import SimpleNamespace
 
 import pytest
 
@@ -224,6 +225,15 @@ def test_vllm_sampling_fields_reach_the_sampling_params():
         parsed = parse_request(line, line["custom_id"], 1)
         assert parsed.sampling == fields
         SamplingParams(**parsed.sampling)
+
+
+def test_fields_a_line_leaves_out_take_the_models_generation_config(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": 20, "top_p": null}')
+    got = []
+    llm = SimpleNamespace(config=SimpleNamespace(model=str(tmp_path), max_model_len=64), encode=list,
+                          submit=lambda ids, params: got.append(params))
+    BatchExecutor(llm, "m").start(parse_request(request("a", prompt="x", top_k=5), "a", 1))
+    assert (got[0].temperature, got[0].top_k, got[0].top_p) == (0.6, 5, 1.0)
 
 
 def test_result_line_usage_and_logprobs():
