@@ -1,19 +1,9 @@
-"""Data parallelism on Ray: one nano-vllm engine replica per Ray actor, fed by Ray Data's `map_batches` (README's
-"Batch files" shows `generate` in use).
-
-Contract:
-- `generate` returns a lazy Dataset: each input row (a `prompt` column, str or token ids, or a `messages`
-  column, a chat conversation; an optional `sampling_params` column of dicts overrides fields of the default
-  per row) with `generated_text`, `generated_token_ids`, `finish_reason`, `num_prompt_tokens` and `error`
-  added. A row that cannot be served gets `error` (and empty outputs): one bad row never fails the dataset.
-- `concurrency` replicas, each one engine with `tensor_parallel_size` GPUs (on CUDA) or CPUs (on CPU); each
-  replica takes two batches at once, so its engine stays full while a batch's last requests finish.
-- A replica whose process dies (killed, out of memory, a lost node) is restarted up to `max_restarts` times
-  and its batch retried up to `max_task_retries` times: Ray's actor fault tolerance, finite so that a batch
-  that kills every replica fails the run instead of looping. An engine that raises fails the dataset.
-- `serve_openai_batch` is `run_batch --data-parallel-size N`: requests staged in Ray's object store (which
-  spills to disk), results written to the output as each batch comes back.
-- Ray is optional: without it, these raise ImportError saying how to install it.
+"""Data parallelism on Ray: one nano-vllm engine replica per Ray actor, fed by Ray Data's `map_batches`; README's
+"Batch files" gives the contract and shows `generate` in use. Beside it: an optional `sampling_params` column of dicts
+overrides fields of the default per row; a row that cannot be served gets `error` (and empty outputs), so one bad row
+never fails the dataset, while an engine that raises does; restarts and retries are finite, so a batch that kills
+every replica fails the run instead of looping; each replica takes two batches at once, to stay full while a batch's
+last requests finish.
 """
 import dataclasses
 import json
@@ -46,13 +36,12 @@ class _Replica:
         self.llm = LLM(model, **engine_args)
 
     def _collect(self, handles: list) -> list[dict | Exception | None]:
-        """Each handle's output, or the error of one that failed on its own (`RequestHandle.failed_alone`)."""
         outputs = []
         try:
             for handle in handles:
                 try:
                     outputs.append(handle and handle.result())
-                except Exception as e:
+                except Exception as e:  # one that failed on its own (`RequestHandle.failed_alone`): its row's error
                     if not handle.failed_alone:
                         raise
                     outputs.append(e)
@@ -86,7 +75,7 @@ class _GenerateReplica(_Replica):
                 prompt_lens.append(0)
         outputs = self._collect(handles)
         for i, out in enumerate(outputs):
-            if isinstance(out, Exception):  # that row's own error; the rest of the batch stands
+            if isinstance(out, Exception):
                 outputs[i], errors[i] = None, f"the request failed: {type(out).__name__}: {out}"
         columns = {
             "generated_text": pa.array([o and o["text"] for o in outputs], pa.string()),

@@ -2,17 +2,10 @@
 
     python -m nanovllm.run_batch -i requests.jsonl -o results.jsonl --model PATH [--max-model-len 4096 ...]
 
-Contract:
-- every input line with a custom_id gets exactly one output line with that custom_id; a line that cannot be
-  served (not JSON, a missing or duplicate custom_id, an unknown url, a bad field or value, a prompt too
-  long) gets an error line and the job goes on, and so does a request that fails on its own in the engine
-  (server_error: its bookkeeping raised, which a rerun would repeat);
-- each result is appended and flushed as it finishes, in the order requests finish; running the same command
-  again skips what the output already holds (its torn last line, if any, is cut off and redone);
-- the input is streamed: at most --max-in-flight requests are in the engine, and as many wait parsed;
-- exit status: 0 when every line succeeded, 1 when some line failed, 2 for a bad command line, 3 when the run
-  stopped before every line was written (an engine failure; run it again to finish), 130 on Ctrl-C, 143 on
-  SIGTERM (both stop cleanly: requests in flight are dropped, to be served by the next run).
+Its contract is README's "Batch files": one output line per input line (an error line for one that cannot be
+served), appended and flushed as each finishes, what the output holds skipped on a rerun, at most --max-in-flight
+requests in the engine; exit status 0, 1 (some line failed), 2 (bad command line), 3 (stopped early: run it again),
+130 on Ctrl-C, 143 on SIGTERM (both stop cleanly: requests in flight are dropped, to be served by the next run).
 Engine arguments are Config's fields as --kebab-case flags, so a new engine argument is a flag at once.
 `--data-parallel-size N` serves the file on N engine replicas through Ray (`nanovllm.ray`).
 """
@@ -177,8 +170,7 @@ def serve_locally(llm, items, results: ResultsFile, stats: Stats, progress: Prog
 
 
 def count_lines(path: str) -> int | None:
-    """The progress bar's total: the lines that are not blank, as `intake` reads them (a blank line is no request,
-    so counting it would leave the bar short of its total at the end)."""
+    """The progress bar's total: the lines that are not blank, which `intake` reads as requests."""
     if path == "-" or not os.path.isfile(path):
         return None
     with open(path, "rb") as f:

@@ -23,6 +23,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 CONVERSATION = [{"role": "user", "content": "Hello!"}]
 
 
+def dp_flags(model: str) -> list[str]:
+    return ["--model", model, "--no-progress", "--kvcache-block-size", "16", "--max-model-len", "128"]
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model):
     with LLM(tiny_model, **ENGINE_ARGS) as engine:
@@ -31,13 +35,13 @@ def llm(tiny_model):
 
 def test_two_replicas_equal_one_engine(ray_cluster, llm, tiny_model):
     from nanovllm.ray import generate
-    rows = [{"id": i, "prompt": f"The sea number {i}", "messages": None, "sampling_params": None} for i in range(6)]
-    rows += [{"id": 6, "prompt": None, "messages": CONVERSATION, "sampling_params": {"temperature": 0.0}},
-             {"id": 7, "prompt": "Short one", "messages": None, "sampling_params": {"max_tokens": 3}},
-             {"id": 8, "prompt": "word " * 200, "messages": None, "sampling_params": None},  # too long: an error
-             {"id": 9, "prompt": None, "messages": None, "sampling_params": None},  # nothing to serve: an error
-             {"id": 10, "prompt": "x", "messages": CONVERSATION, "sampling_params": None},  # both
-             {"id": 11, "prompt": None, "messages": [{"role": "user", "content": None}], "sampling_params": None}]
+    def row(i, prompt=None, messages=None, sampling_params=None):
+        return {"id": i, "prompt": prompt, "messages": messages, "sampling_params": sampling_params}
+    rows = [row(i, f"The sea number {i}") for i in range(6)] + [
+        row(6, messages=CONVERSATION, sampling_params={"temperature": 0.0}),
+        row(7, "Short one", sampling_params={"max_tokens": 3}),
+        row(8, "word " * 200), row(9), row(10, "x", CONVERSATION),  # too long, nothing to serve, both: errors
+        row(11, messages=[{"role": "user", "content": None}])]
     dataset = ray.data.from_items(rows)
     out = within(300, lambda: generate(dataset, tiny_model, GREEDY, concurrency=2, batch_size=3,
                                               **ENGINE_ARGS).take_all())
@@ -64,7 +68,7 @@ def test_run_batch_on_two_replicas_equals_one_engine_and_resumes(ray_cluster, ll
     lines += [request("chat", CHAT, messages=CONVERSATION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=1),
               "not json", request("r1", prompt="duplicate"), request("long", prompt=list(range(3, 200)))]
     inp = write_lines(tmp_path / "in.jsonl", lines)
-    flags = ["--model", tiny_model, "--no-progress", "--kvcache-block-size", "16", "--max-model-len", "128"]
+    flags = dp_flags(tiny_model)
     assert within(120, main, ["-i", inp, "-o", str(tmp_path / "one.jsonl"), *flags], llm=llm) == 1
     one = read_results(tmp_path / "one.jsonl")
     # a data-parallel run killed after three results, the last torn; this run reports the bad lines
@@ -100,8 +104,8 @@ def test_a_signal_never_cuts_a_replicas_result_line(ray_cluster, tiny_model, tmp
     """As with one engine (test_run_batch), and the requests not back yet are counted as stopped."""
     inp = write_lines(tmp_path / "in.jsonl", [request(f"r{i}", prompt=f"p {i}", max_tokens=2) for i in range(4)])
     signalled = tear_first_line_then_signal(monkeypatch)
-    argv = ["-i", inp, "-o", str(tmp_path / "out.jsonl"), "--model", tiny_model, "--no-progress",
-            "--kvcache-block-size", "16", "--max-model-len", "128", "--data-parallel-size", "2", "--max-in-flight", "2"]
+    argv = ["-i", inp, "-o", str(tmp_path / "out.jsonl"), *dp_flags(tiny_model), "--data-parallel-size", "2",
+            "--max-in-flight", "2"]
     assert main_here(argv) == 143
     monkeypatch.undo()
     assert signalled and len(read_results(tmp_path / "out.jsonl")) == 1

@@ -141,7 +141,7 @@ BAD_LINES = {  # code: [(line, what the message must name)]; each line's number 
     "invalid_url": [(request("url", "/v1/embeddings", input="x"), "/v1/embeddings")],
     "invalid_value": [
         (request("temp", prompt="x", temperature=-1), "temperature=-1.0"),
-        (request("temp-int", prompt="x", top_p=10**400), "top_p=inf"),  # past float's range
+        (request("temp-int", prompt="x", top_p=10**400), "top_p=inf"),
         (request("typo", prompt="x", temprature=0), "temprature"),
         (request("bias", prompt="x", logit_bias={"5": 1}), "logit_bias"),
         (request("echo", prompt="x", echo=True), "echo"),

@@ -3,13 +3,8 @@ handle per choice, and the finished handles to an OpenAI result line.
 
 `start` raises LineError for what only the engine can check (a prompt longer than max_model_len, a stop
 token outside the vocabulary, a template that rejects the conversation); nothing of that request stays
-queued. `finish` returns None for a request that was aborted: that is no result, and a resumed run serves
-it again; and an error line for one that failed on its own. An engine failure propagates from `finish`
-(`RequestHandle.result` raises it).
-
-A request without max_tokens may run to max_model_len, and one without temperature, top_p, top_k, min_p or
-repetition_penalty takes the model's generation_config.json value, if it has one, as in vLLM's OpenAI server.
-With n > 1 and a seed, choice i uses seed + i: the choices differ, and the whole request is reproducible.
+queued. Defaults as in vLLM's OpenAI server: max_tokens up to max_model_len, and the sampling fields of
+`generation_defaults`. With n > 1 and a seed, choice i uses seed + i, so the whole request is reproducible.
 """
 import json
 import os

@@ -1,13 +1,6 @@
 """The OpenAI Batch file format, as vLLM's `run-batch` reads it: one request per input line, one result per
-output line. This module parses and formats only; it never touches an engine.
-
-Input line:
-    {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
-Output line:
-    {"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion |
-     text_completion>}, "error": null}
-  or, for a line that could not be served:
-    {"id", "custom_id", "response": null, "error": {"code", "message"}}
+output line, both shown in README's "Batch files". This module parses and formats only; it never touches
+an engine.
 
 `read_line` checks what identifies a line (JSON, an object, a string custom_id); its errors carry custom_id
 None and the line number. `parse_request` checks the rest; its errors carry the custom_id. A line reported
