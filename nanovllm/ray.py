@@ -58,7 +58,8 @@ class _GenerateReplica(_Replica):
     def __init__(self, model: str, engine_args: dict, sampling_params: SamplingParams | None,
                  chat_template: str | None):
         super().__init__(model, engine_args)
-        self.params, self.chat_template = sampling_params or SamplingParams(), chat_template
+        self.params = sampling_params or SamplingParams(**self.llm.sampling_defaults)  # as LLM.generate
+        self.chat_template = chat_template
 
     def __call__(self, table):
         _, pa = _import_ray()

@@ -187,6 +187,19 @@ def test_every_eos_id_of_generation_config_counts(tmp_path):
     assert eos_token_ids(str(tmp_path), SimpleNamespace(eos_token_id=5)) == (3, 5, 7)
 
 
+def test_requests_without_params_take_generation_configs_sampling_fields(tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    gen_config = json.loads((model / "generation_config.json").read_text())
+    gen_config.update(temperature=0.0, top_k=3, top_p=None, repetition_penalty=1.5)  # null: not given
+    (model / "generation_config.json").write_text(json.dumps(gen_config))
+    llm = LLM(str(model))
+    assert llm.sampling_defaults == {"temperature": 0.0, "top_k": 3, "repetition_penalty": 1.5}
+    prompt, as_given = mixed_prompts()[4], SamplingParams(**llm.sampling_defaults)
+    outputs = [llm.generate([prompt], p, use_tqdm=False)[0]["token_ids"] for p in (None, as_given, greedy(64))]
+    assert outputs[0] == outputs[1] != outputs[2]
+
+
 def test_sampling_is_seeded_and_in_vocab(tiny_model):
     prompts, params = mixed_prompts(4), SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
     a, b, c = ([o["token_ids"] for o in generate(LLM(tiny_model, seed=s), prompts, params)] for s in (1, 1, 2))

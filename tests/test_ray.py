@@ -192,6 +192,13 @@ def test_a_row_that_fails_on_its_own_is_its_error_not_the_batchs(llm, monkeypatc
     assert "injected undecodable token" in rows[1]["error"] and rows[1]["generated_token_ids"] == []
 
 
+def test_a_replica_without_sampling_params_takes_the_models_defaults(monkeypatch):
+    from nanovllm.ray import _GenerateReplica, _Replica
+    monkeypatch.setattr(_Replica, "__init__", lambda self, *_: setattr(self, "llm", SimpleNamespace(
+        sampling_defaults={"top_k": 3})))
+    assert _GenerateReplica("m", {}, None, None).params.top_k == 3  # as LLM.generate's None
+
+
 def test_a_replica_reserves_a_cpu_or_a_gpu_per_rank(monkeypatch):
     from nanovllm.ray import _map_replicas
     for gpus, cpus in ((0, 2), (2, 1)):

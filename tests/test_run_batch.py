@@ -15,6 +15,7 @@ from nanovllm.batch.intake import intake
 from nanovllm.batch.protocol import MAX_N, MIN_LOGPROB, LineError, parse_request, result_line
 from nanovllm.batch.results import ResultsFile, signals_held
 from nanovllm.config import Config
+from nanovllm.engine.llm_engine import sampling_defaults
 from nanovllm.run_batch import build_parser, count_lines, main
 from tests.batch_util import (CHAT, COMPLETIONS, at_submit, choices, main_here, on_submit, poison_at_submit,
                               read_results, request, tear_first_line_then_signal, write_lines)
@@ -230,8 +231,8 @@ def test_vllm_sampling_fields_reach_the_sampling_params():
 def test_fields_a_line_leaves_out_take_the_models_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": 20, "top_p": null}')
     got = []
-    llm = SimpleNamespace(config=SimpleNamespace(model=str(tmp_path), max_model_len=64), encode=list,
-                          submit=lambda ids, params: got.append(params))
+    llm = SimpleNamespace(config=SimpleNamespace(max_model_len=64), sampling_defaults=sampling_defaults(str(tmp_path)),
+                          encode=list, submit=lambda ids, params: got.append(params))
     BatchExecutor(llm, "m").start(parse_request(request("a", prompt="x", top_k=5), "a", 1))
     assert (got[0].temperature, got[0].top_k, got[0].top_p) == (0.6, 5, 1.0)
 

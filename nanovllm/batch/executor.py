@@ -3,26 +3,14 @@ handle per choice, and the finished handles to an OpenAI result line.
 
 `start` raises LineError for what only the engine can check (a prompt longer than max_model_len, a stop
 token outside the vocabulary, a template that rejects the conversation); nothing of that request stays
-queued. Defaults as in vLLM's OpenAI server: max_tokens up to max_model_len, and the sampling fields of
-`generation_defaults`. With n > 1 and a seed, choice i uses seed + i, so the whole request is reproducible.
+queued. Defaults as in vLLM's OpenAI server: max_tokens up to max_model_len, and the sampling fields of the
+model's generation_config.json (`LLMEngine.sampling_defaults`). With n > 1 and a seed, choice i uses seed + i,
+so the whole request is reproducible.
 """
-import json
-import os
 from dataclasses import dataclass
 
 from nanovllm.batch.protocol import FINISH_REASONS, BatchRequest, LineError, error_line, result_line
 from nanovllm.sampling_params import SamplingParams
-
-
-def generation_defaults(model_dir: str) -> dict:
-    """The sampling fields that vLLM's server takes from the model's generation_config.json."""
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        config = json.load(f)
-    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    return {name: config[name] for name in names if config.get(name) is not None}
 
 
 @dataclass(slots=True)
@@ -46,7 +34,6 @@ class BatchExecutor:
     def __init__(self, llm, model_name: str, chat_template: str | None = None):
         self.llm, self.model_name, self.chat_template = llm, model_name, chat_template
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
-        self.defaults = generation_defaults(llm.config.model)  # for the fields a request leaves out
 
     def start(self, request: BatchRequest) -> Pending:
         prompts = [self._token_ids(request, prompt) for prompt in (request.prompts or [None])]
@@ -56,7 +43,7 @@ class BatchExecutor:
             for token_ids in prompts:
                 max_tokens = request.max_tokens or max(max_model_len - len(token_ids), 1)
                 for i in range(request.n):
-                    sampling = {**self.defaults, **request.sampling}
+                    sampling = {**self.llm.sampling_defaults, **request.sampling}
                     if request.n > 1 and sampling.get("seed") is not None:
                         sampling["seed"] += i
                     handles.append(self.llm.submit(token_ids, SamplingParams(**sampling, max_tokens=max_tokens)))

@@ -35,6 +35,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads
         config.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self.sampling_defaults = sampling_defaults(config.model)  # what `sampling_params=None` means, as in vLLM
         self.config = config
         self._in_flight: Step | None = None  # launched, its tokens not yet accounted for
         self._last_completed = 0.0
@@ -355,7 +356,7 @@ class LLMEngine:
     def _check_params(self, params) -> SamplingParams:
         """SamplingParams checks itself; what depends on the model is checked here."""
         if params is None:
-            return SamplingParams()
+            return SamplingParams(**self.sampling_defaults)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}"
                             + (" (SamplingParams(**d) makes one from a dict)" if isinstance(params, dict) else ""))
@@ -420,13 +421,25 @@ def params_list(sampling_params, num_prompts: int) -> list:
     return list(sampling_params)
 
 
+def generation_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
     """The tokenizer's EOS plus every EOS id in generation_config.json."""
     ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            extra = json.load(f).get("eos_token_id")
-        if extra is not None:
-            ids.update([extra] if isinstance(extra, int) else extra)
+    extra = generation_config(model_dir).get("eos_token_id")
+    if extra is not None:
+        ids.update([extra] if isinstance(extra, int) else extra)
     return tuple(sorted(ids))
+
+
+def sampling_defaults(model_dir: str) -> dict:
+    """The sampling fields that vLLM takes from generation_config.json for what a request leaves out."""
+    config = generation_config(model_dir)
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {name: config[name] for name in names if config.get(name) is not None}
