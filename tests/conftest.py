@@ -122,6 +122,19 @@ def built_on_ranks(monkeypatch, module, tp: int, make) -> list:
     return layers
 
 
+def wait_until(condition, seconds: float = 30):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def assert_idle_and_clean(llm, seconds: float = 30):
+    wait_until(llm.is_finished, seconds)
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 def in_background(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
     """fn(*args, **kwargs) started on a daemon thread; the dict gets its "value" or its "error" when it ends."""
     outcome = {}

@@ -7,8 +7,9 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers import triton_guard
+from tests.conftest import greedy
 
-GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+GREEDY = greedy(4)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_sampling_params_at_the_edges_of_their_ranges_are_taken():
 
 
 def test_max_tokens_none_runs_to_max_model_len(llm):
-    unbounded = SamplingParams(temperature=0, max_tokens=None, min_tokens=100, ignore_eos=True)
+    unbounded = greedy(None, min_tokens=100)
     out = llm.generate([[5, 6, 7]], unbounded, use_tqdm=False)[0]
     assert (out["finish_reason"], len(out["token_ids"])) == ("length", 64 - 3)
     with pytest.raises(ValueError, match="stop token id -1 must be >= 0"):

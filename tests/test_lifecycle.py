@@ -19,10 +19,11 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.request import EngineLoop, RequestHandle
 from nanovllm.engine.sequence import PENDING
 from nanovllm.engine.step_output import StepOutput
-from tests.conftest import ROOT, greedy as greedy_params, in_background, raising, within
+from tests.conftest import (ROOT, assert_idle_and_clean, greedy as greedy_params, in_background, raising, wait_until,
+                            within)
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)  # runs for over 10 s on the tiny model
+GREEDY = greedy_params(8)
+LONG = greedy_params(3000)  # runs for over 10 s on the tiny model
 ABORTED_WITHIN = 5  # s: an aborted LONG request is gone well before it could finish
 PROMPT = [5, 6, 7]
 W, A, B = 89, 67, 68  # "w", "a", "b" in the tiny tokenizer
@@ -44,19 +45,6 @@ def own_llm(tiny_model):
     """An engine no earlier test's loop thread steps: the test's step() takes its inbox."""
     with engine(tiny_model) as llm:
         yield llm
-
-
-def wait_until(condition, seconds: float = 30):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
-def assert_idle_and_clean(llm: LLM, seconds: float = 30):
-    wait_until(llm.is_finished, seconds)
-    stats = llm.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 def greedy(llm: LLM, prompt=PROMPT) -> list[int]:
@@ -812,7 +800,7 @@ def test_a_step_loop_gets_its_requests_when_the_loop_thread_steps_them_too(own_l
     """Once generate() started the loop thread, it steps add_request's requests too: step() still returns each one
     once, finished by the thread before the loop began (first round) or while it runs (second)."""
     prompts = [[3 + i, 40 + i, 7] for i in range(8)]
-    params = [SamplingParams(temperature=0, max_tokens=2 + 3 * i, ignore_eos=True) for i in range(8)]
+    params = [greedy_params(2 + 3 * i) for i in range(8)]
     expected = [out["token_ids"] for out in own_llm.generate(prompts, params)]
     for thread_first in (True, False):
         handles = [own_llm.add_request(prompt, sp) for prompt, sp in zip(prompts, params)]

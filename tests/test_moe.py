@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 from nanovllm.layers.moe import SparseMoeBlock, experts_torch, route
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import assert_greedy_matches_hf, built_on_ranks, compile_for_sm90
+from tests.conftest import assert_greedy_matches_hf, built_on_ranks, compile_for_sm90, greedy
 from tests.test_models import PROMPTS, check_against_hf, hf_model
 
 def load_per_expert(experts, gate_up, down):  # per-expert tensors, as a checkpoint stores them
@@ -134,7 +134,7 @@ def test_routing_spreads_over_experts(tmp_path):
         hook.remove()
     assert counts.min() > 0.02 * counts.sum()  # uniform would be 1/8 each
     with LLM(str(path), kvcache_block_size=16) as llm:
-        out = llm.generate(PROMPTS[2:3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        out = llm.generate(PROMPTS[2:3], greedy(8), use_tqdm=False)
     assert_greedy_matches_hf(hf, PROMPTS[2], out[0]["token_ids"])
 
 

@@ -11,9 +11,9 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import detokenizer as detokenizer_module
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from tests.conftest import assert_greedy_matches_hf
+from tests.conftest import assert_greedy_matches_hf, assert_idle_and_clean, greedy, wait_until
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+GREEDY = greedy(12)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -80,12 +80,7 @@ def test_abort_frees_every_block(llm):
     out = handle.result(timeout=30)
     assert out["finish_reason"] == "abort" and 2 <= len(out["token_ids"]) < 3000
     assert list(increments)[-1]["finish_reason"] == "abort"
-    deadline = time.monotonic() + 10
-    while llm.stats()["num_running"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    stats = llm.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    assert stats["num_waiting"] == stats["num_running"] == 0
+    assert_idle_and_clean(llm, 10)  # nothing waits or runs, every block is free
 
 
 def test_slow_consumer_does_not_stall_others(llm):
@@ -115,7 +110,7 @@ def test_only_a_reader_makes_text(llm, monkeypatch):
         inner = make_decoder(tokenizer)
         return lambda token_ids, skip: decodes.append("increment") or inner(token_ids, skip)
     monkeypatch.setattr(detokenizer_module, "text_decoder", counting_decoder)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = greedy(40)
     out = llm.submit(prompts(1, seed=8)[0], params).result(timeout=30)
     assert len(out["token_ids"]) == 40 and decodes == ["output"]
     decodes.clear()
@@ -163,9 +158,5 @@ def test_dropped_engine_frees_its_cache_and_thread(tiny_model):
     llm.generate(["hello"], GREEDY, use_tqdm=False)
     runner, thread, engine = llm.model_runner, llm._loop.thread, weakref.ref(llm)
     del llm
-    deadline = time.monotonic() + 5
-    while (engine() is not None or thread.is_alive()) and time.monotonic() < deadline:
-        gc.collect()
-        time.sleep(0.05)
-    assert engine() is None and not thread.is_alive()
+    wait_until(lambda: gc.collect() >= 0 and engine() is None and not thread.is_alive(), 5)
     assert runner.kv_cache is None  # the finalizer ran: a dropped engine gives its memory back

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 from nanovllm.engine.piecewise_graphs import PiecewiseGraphs, token_counts
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import step_inputs
-from tests.conftest import assert_greedy_matches_hf
+from tests.conftest import assert_greedy_matches_hf, greedy
 
 
 class Rerun:
@@ -84,7 +84,7 @@ def test_steps_through_the_pieces_equal_the_eager_forward(tiny_model, hf_model, 
         piecewise.run = counting_run
         # chunks fill the budget; fewer prompts and tokens with the (interpreted) fused store, still every step kind
         batch = prompts(4 if fused else 12, seed=max_tokens) + [list(range(3, 130 if fused else 250))]
-        params = SamplingParams(temperature=0, max_tokens=4 if fused else 10, ignore_eos=True)
+        params = greedy(4 if fused else 10)
         got = generate(llm, batch, params, piecewise)  # first: an empty cache, so whole prompts
         again = generate(llm, batch, params, piecewise)  # prefix-cache hits leave short prefills
         fuse_rope_store(llm, False)

@@ -10,16 +10,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 from nanovllm.run_batch import main
 from tests.batch_util import (CHAT, choices, main_here, poison_at_submit, read_results, request,
                               tear_first_line_then_signal, write_lines)
-from tests.conftest import within
+from tests.conftest import greedy, within
 
 ray = pytest.importorskip("ray")  # the test extra has it; the GPU machine does not
 
 ENGINE_ARGS = dict(kvcache_block_size=16, max_model_len=128)
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+GREEDY = greedy(8)
 CONVERSATION = [{"role": "user", "content": "Hello!"}]
 
 
@@ -49,8 +49,7 @@ def test_two_replicas_equal_one_engine(ray_cluster, llm, tiny_model):
     assert sorted(got) == list(range(12))
     expected = llm.generate([f"The sea number {i}" for i in range(6)], GREEDY, use_tqdm=False)
     expected += llm.chat(CONVERSATION, GREEDY, use_tqdm=False)
-    expected += llm.generate(["Short one"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                             use_tqdm=False)
+    expected += llm.generate(["Short one"], greedy(3), use_tqdm=False)
     for i, out in enumerate(expected):
         row = got[i]
         assert row["error"] is None
@@ -131,7 +130,7 @@ def _busy_replicas() -> list[int]:
 def test_a_killed_replica_batch_is_retried(ray_cluster, llm, tiny_model):
     from nanovllm.ray import generate
     prompts = [f"A long story number {i}" for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    params = greedy(100)
     dataset = ray.data.from_items([{"prompt": p} for p in prompts])
     box = {}
     runner = threading.Thread(target=lambda: box.setdefault("rows", generate(

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 from nanovllm.batch.protocol import error_line, output_key, request_key
 from nanovllm.batch.results import ResultsFile
 from nanovllm.run_batch import main
 from tests.batch_util import CHAT, choices, read_results, request, write_lines
-from tests.conftest import within
+from tests.conftest import greedy, within
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FLAGS = ["--kvcache-block-size", "16", "--max-num-seqs", "2"]
@@ -52,7 +52,7 @@ PROMPTS = [f"request number {i} about the sea" for i in range(24)]
 
 @pytest.fixture(scope="module")
 def expected_texts(llm) -> list[str]:
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    outputs = llm.generate(PROMPTS, greedy(40), use_tqdm=False)
     return [o["text"] for o in outputs]
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from tests.conftest import compile_for_sm90
+from tests.conftest import compile_for_sm90, greedy
 
 triton_activation = pytest.importorskip("nanovllm.layers.triton_activation")
 if triton_activation.triton is None:
@@ -58,9 +58,9 @@ def test_bf16_at_real_shapes_against_torch():
 @pytest.mark.gpu
 def test_engine_gated_layers_run_the_kernel(tiny_model, monkeypatch):
     """On CUDA the model runner gives every SiluAndMul the kernel, and NANOVLLM_TRITON_SILU=0 torch.compile's."""
-    from nanovllm import LLM, SamplingParams
+    from nanovllm import LLM
     from nanovllm.layers.activation import SiluAndMul
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    params = greedy(4)
     outputs = []
     for switch in ("1", "0"):
         monkeypatch.setenv("NANOVLLM_TRITON_SILU", switch)
