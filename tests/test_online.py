@@ -83,6 +83,15 @@ def test_abort_frees_every_block(llm):
     assert_idle_and_clean(llm, 10)  # nothing waits or runs, every block is free
 
 
+def test_a_request_keeps_the_params_it_was_submitted_with(llm):
+    # as in vLLM, which clones them
+    params = greedy(40)
+    first = llm.submit([5, 6, 7], params)
+    params.max_tokens = 4
+    assert len(llm.submit([8, 9], params).result(timeout=30)["token_ids"]) == 4
+    assert len(first.result(timeout=30)["token_ids"]) == 40
+
+
 def test_slow_consumer_does_not_stall_others(llm):
     slow = llm.submit(prompts(1, seed=3)[0], SamplingParams(max_tokens=200, ignore_eos=True))
     fast = llm.submit(prompts(1, seed=4)[0], SamplingParams(max_tokens=5, ignore_eos=True))

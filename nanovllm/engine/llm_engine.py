@@ -6,7 +6,7 @@ import os
 import sys
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from time import perf_counter, sleep
 
@@ -366,7 +366,8 @@ class LLMEngine:
             raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {vocab_size}")
-        return params
+        # a copy, checked again: later changes to the caller's object change no request (vLLM clones it too)
+        return replace(params)
 
 
 @dataclass(slots=True)
