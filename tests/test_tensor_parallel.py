@@ -20,6 +20,7 @@ import nanovllm
 import nanovllm.engine.tp_channel as tp_channel
 from nanovllm import SamplingParams
 from nanovllm.engine import llm_engine, workers
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.workers import worker_died, worker_error
 from nanovllm.layers import embed_head, linear
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
@@ -406,10 +407,18 @@ def test_a_worker_that_dies_while_the_engine_starts_is_named(tiny_model, monkeyp
     assert shm_segments() == []
 
 
-def test_second_tp_engine_in_one_process_is_refused(tiny_model):
-    with TP2(tiny_model):
+def test_beside_a_tp_engine_a_second_is_refused_and_a_tp1_one_runs_apart(tiny_model, monkeypatch):
+    with TP2(tiny_model) as tp2:
         with pytest.raises(RuntimeError, match="another engine"):
             LLM(tiny_model, tensor_parallel_size=2)
+        # its layers took the group's rank and size (half of each, collectives nobody answered: a hang)
+        with LLM(tiny_model, kvcache_block_size=16) as tp1:
+            assert ids(within(60, generate, tp1)) == ids(within(60, generate, tp2))
+        monkeypatch.setattr(ModelRunner, "allocate_kv_cache", raising(ValueError("injected")))
+        with pytest.raises(ValueError, match="injected"):  # closed or failing to start, it leaves the group
+            LLM(tiny_model)
+        assert dist.is_initialized() and len(within(60, generate, tp2)) == len(PROMPTS)
+    monkeypatch.undo()
     assert_a_new_engine_serves(tiny_model)  # fine once the first is closed
 
 

@@ -48,6 +48,7 @@ from nanovllm.layers.triton_activation import silu_and_mul
 from nanovllm.layers.triton_guard import triton_available
 from nanovllm.layers.triton_sampler import make_rng_state
 from nanovllm.models import model_class
+from nanovllm.utils import parallel
 from nanovllm.utils.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class ModelRunner:
                                     world_size=self.world_size, rank=rank)
 
         hf_config = config.hf_config
-        with default_dtype(self.dtype), self.device:
+        with default_dtype(self.dtype), self.device, parallel.building(rank, self.world_size):
             self.model = model_class(hf_config)(hf_config)
         load_model(self.model, config.model, config.load_format)
         self.backend = get_backend(self._backend_name())
@@ -195,7 +196,7 @@ class ModelRunner:
                                "held until this process exits", DEVICE_FREE_TIMEOUT)
             return
         self._free_device()
-        if dist.is_initialized():
+        if self.world_size > 1 and dist.is_initialized():  # (not a TP>1 engine's beside this one)
             if workers_alive:
                 dist.barrier()
             dist.destroy_process_group()

@@ -75,7 +75,8 @@ def start_workers(config: Config) -> tuple[list, ModelRunner]:
         stop_workers(processes)
         unlink_channel(shm_name)
         gc.unfreeze()  # (as `ModelRunner.exit`: rank 0's runner may have frozen itself)
-        if dist.is_initialized() and dist.get_backend() == "gloo":  # (NCCL's may hang: the watch aborted it)
+        # (NCCL's may hang: the watch aborted it; a TP=1 engine leaves a TP>1 one's group alone)
+        if config.tensor_parallel_size > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
         if dead is not None and not isinstance(error, WorkerDied):
             raise worker_died(*dead, "its own error output says why") from error
