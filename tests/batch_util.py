@@ -38,8 +38,12 @@ def read_results(path) -> dict:
     return results
 
 
+def body(result: dict) -> dict:
+    return result["response"]["body"]
+
+
 def choices(result: dict) -> list[dict]:
-    return result["response"]["body"]["choices"]
+    return body(result)["choices"]
 
 
 def tear_first_line_then_signal(monkeypatch) -> list:

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sampling_batch import draw_seed
 from nanovllm.utils.random_checkpoint import default_checkpoint
+from tests.conftest import in_background
 
 TIMEOUT = 60  # seconds any one call may take on a slow CI machine
 PROMPTS = st.lists(st.integers(3, 500), min_size=1, max_size=40)
@@ -64,21 +65,15 @@ class ApiMachine(RuleBasedStateMachine):
     @rule(first=st.lists(st.tuples(PROMPTS, PARAMS), min_size=1, max_size=4),
           second=st.lists(st.tuples(PROMPTS, PARAMS), min_size=1, max_size=4))
     def generate_from_two_threads(self, first, second):
-        outputs = [None, None]
-
-        def generate(i, batch):
-            outputs[i] = self.llm.generate([p for p, _ in batch], [s for _, s in batch])
-
-        threads = [threading.Thread(target=generate, args=(i, batch), daemon=True)
-                   for i, batch in enumerate((first, second))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
+        batches = [([p for p, _ in batch], [s for _, s in batch]) for batch in (first, second)]
+        threads = [in_background(self.llm.generate, *batch) for batch in batches]
+        for thread, _ in threads:
             thread.join(TIMEOUT)
             assert not thread.is_alive(), "generate did not return in time"
-        for batch, out in zip((first, second), outputs):
-            assert out is not None and len(out) == len(batch)
-            self.batches.append(([p for p, _ in batch], [s for _, s in batch], out))
+        for (prompts, params), (_, outcome) in zip(batches, threads):
+            out = outcome.get("value")
+            assert out is not None and len(out) == len(prompts), outcome.get("error")
+            self.batches.append((prompts, params, out))
 
     @rule()
     def wait_until_idle(self):

@@ -17,7 +17,7 @@ from nanovllm.batch.results import ResultsFile, signals_held
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import sampling_defaults
 from nanovllm.run_batch import build_parser, count_lines, main
-from tests.batch_util import (CHAT, COMPLETIONS, at_submit, choices, main_here, on_submit, poison_at_submit,
+from tests.batch_util import (CHAT, COMPLETIONS, at_submit, body, choices, main_here, on_submit, poison_at_submit,
                               read_results, request, tear_first_line_then_signal, write_lines)
 from tests.conftest import greedy, in_background, within
 
@@ -55,6 +55,11 @@ def user(content) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
+def x(custom_id, url=COMPLETIONS, **fields) -> dict:
+    """A line of prompt "x", or of the user message "x" (CHAT)."""
+    return request(custom_id, url, **({"prompt": "x"} if url == COMPLETIONS else {"messages": user("x")}), **fields)
+
+
 def test_results_equal_generate_and_chat(llm, tmp_path):
     def expect(prompts, params):
         return llm.generate(prompts, params, use_tqdm=False)
@@ -89,85 +94,74 @@ def test_results_equal_generate_and_chat(llm, tmp_path):
         "unbounded": expect([list(range(3, 123))], greedy(MAX_MODEL_LEN - 120)),
         "full": expect([list(range(3, 3 + MAX_MODEL_LEN))], greedy(1)),
     }
+    usage = {k: body(results[k])["usage"] for k in expected}
     for custom_id, outputs in expected.items():
-        result = results[custom_id]
+        result, is_chat = results[custom_id], custom_id in ("chat", "parts", "seeded")
         assert result["error"] is None and result["response"]["status_code"] == 200
-        body = result["response"]["body"]
-        is_chat = custom_id in ("chat", "parts", "seeded")
-        assert body["object"] == ("chat.completion" if is_chat else "text_completion")
-        got = choices(result)
-        assert [c["index"] for c in got] == list(range(len(outputs)))
-        for choice, out in zip(got, outputs):
+        assert body(result)["object"] == ("chat.completion" if is_chat else "text_completion")
+        assert [c["index"] for c in choices(result)] == list(range(len(outputs)))
+        for choice, out in zip(choices(result), outputs):
             assert (choice["message"]["content"] if is_chat else choice["text"]) == out["text"], custom_id
             assert choice["finish_reason"] == out["finish_reason"] and choice["stop_reason"] == out["stop_reason"]
-        assert body["usage"]["completion_tokens"] == sum(len(o["token_ids"]) for o in outputs)
-        assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
-    assert choices(results["stop"])[0]["stop_reason"] == stop and stop not in choices(results["stop"])[0]["text"]
-    assert len(expected["unbounded"][0]["token_ids"]) == 8
-    assert choices(results["unbounded"])[0]["finish_reason"] == "length"
+        n = usage[custom_id]
+        assert n["completion_tokens"] == sum(len(o["token_ids"]) for o in outputs)
+        assert n["total_tokens"] == n["prompt_tokens"] + n["completion_tokens"]
+    first = {k: choices(results[k])[0] for k in expected}
+    assert first["stop"]["stop_reason"] == stop and stop not in first["stop"]["text"]
+    assert len(expected["unbounded"][0]["token_ids"]) == 8 and first["unbounded"]["finish_reason"] == "length"
     # with no max_tokens, a prompt of exactly max_model_len gets one token, not max_tokens=0
-    assert choices(results["full"])[0]["finish_reason"] == "length"
-    assert results["full"]["response"]["body"]["usage"]["completion_tokens"] == 1
+    assert first["full"]["finish_reason"] == "length" and usage["full"]["completion_tokens"] == 1
     # the prompt tokens of every prompt
-    usage = results["usage"]["response"]["body"]["usage"]
-    assert usage["prompt_tokens"] == len(llm.encode("The sea is")) + len(llm.encode("The moon over the hills"))
-    assert choices(results["seeded"])[0]["message"] != choices(results["seeded"])[1]["message"]
-    assert results["chat"]["response"]["body"]["usage"]["prompt_tokens"] == len(chat_ids)
+    assert usage["usage"]["prompt_tokens"] == len(llm.encode("The sea is")) + len(llm.encode("The moon over the hills"))
+    assert first["seeded"]["message"] != choices(results["seeded"])[1]["message"]
+    assert usage["chat"]["prompt_tokens"] == len(chat_ids)
+
+    def engine_logprobs(custom_id):  # of the tokens it sampled
+        out = expected[custom_id][0]
+        return pytest.approx([lp[t] for t, lp in zip(out["token_ids"], out["logprobs"])])
+
     # logprobs in OpenAI's shapes, the engine's values
-    chat_lp = choices(results["chat"])[0]["logprobs"]["content"]
-    out = expected["chat"][0]
-    assert [e["logprob"] for e in chat_lp] == pytest.approx([lp[t] for t, lp in zip(out["token_ids"], out["logprobs"])])
+    chat_lp, text_lp = first["chat"]["logprobs"]["content"], first["ids"]["logprobs"]
+    assert [e["logprob"] for e in chat_lp] == engine_logprobs("chat")
     assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
                and e["bytes"] == list(e["token"].encode()) for e in chat_lp)
-    text_lp = choices(results["ids"])[0]["logprobs"]
-    out = expected["ids"][0]
-    assert len(text_lp["tokens"]) == len(text_lp["text_offset"]) == len(out["token_ids"])
-    assert text_lp["token_logprobs"] == pytest.approx([lp[t] for t, lp in zip(out["token_ids"], out["logprobs"])])
+    assert len(text_lp["tokens"]) == len(text_lp["text_offset"]) == len(expected["ids"][0]["token_ids"])
+    assert text_lp["token_logprobs"] == engine_logprobs("ids")
     assert all(1 <= len(top) <= 3 for top in text_lp["top_logprobs"])
-    assert choices(results["text"])[0]["logprobs"] is None
+    assert first["text"]["logprobs"] is None
 
 
 BAD_LINES = {  # code: [(line, what the message must name)]; each line's number is in its message too
     "invalid_json": [("this is not json", "not valid JSON"), (b'{"custom_id": "\xff\xfe"}', "not UTF-8"),
                      ('{"n": ' + "9" * 5000 + "}", "digits"), ("[" * 10**5 + "]" * 10**5, "recursion")],
     "invalid_request": [
-        ('[1, 2]', "not an object"),
-        ({**request("get", prompt="x"), "method": "GET"}, "'GET'"),
-        ({k: v for k, v in request("no-method", prompt="x").items() if k != "method"}, "not None"),
-        ({**request("extra", prompt="x"), "priority": 1}, "priority"),
-        ({**request("body", prompt="x"), "body": "prompt"}, "body must be")],
+        ('[1, 2]', "not an object"), ({**x("get"), "method": "GET"}, "'GET'"),
+        ({k: v for k, v in x("no-method").items() if k != "method"}, "not None"),
+        ({**x("extra"), "priority": 1}, "priority"), ({**x("body"), "body": "prompt"}, "body must be")],
     "missing_custom_id": [({"method": "POST", "url": COMPLETIONS, "body": {"prompt": "x"}}, "no custom_id")],
-    "invalid_custom_id": [(request(5, prompt="x"), "5"), (request("", prompt="x"), "''")],  # "": not missing
+    "invalid_custom_id": [(x(5), "5"), (x(""), "''")],  # "": not missing
     "duplicate_custom_id": [(request("good-1", prompt="again"), "'good-1' was already used on line 1")],
     "invalid_url": [(request("url", "/v1/embeddings", input="x"), "/v1/embeddings")],
     "invalid_value": [
-        (request("temp", prompt="x", temperature=-1), "temperature=-1.0"),
-        (request("temp-int", prompt="x", top_p=10**400), "top_p=inf"),
-        (request("typo", prompt="x", temprature=0), "temprature"),
-        (request("bias", prompt="x", logit_bias={"5": 1}), "logit_bias"),
-        (request("echo", prompt="x", echo=True), "echo"),
-        (request("n0", prompt="x", n=0), "n=0"),
-        (request("n129", prompt="x", n=129), "n=129"),
-        (request("maxtok", prompt="x", max_tokens="10"), "max_tokens='10'"),
-        (request("maxtok0", prompt="x", max_tokens=0), "max_tokens=0"),  # not "unbounded"
+        (x("temp", temperature=-1), "temperature=-1.0"), (x("temp-int", top_p=10**400), "top_p=inf"),
+        (x("typo", temprature=0), "temprature"), (x("bias", logit_bias={"5": 1}), "logit_bias"),
+        (x("echo", echo=True), "echo"), (x("n0", n=0), "n=0"), (x("n129", n=129), "n=129"),
+        (x("maxtok", max_tokens="10"), "max_tokens='10'"),
+        (x("maxtok0", max_tokens=0), "max_tokens=0"),  # not "unbounded"
         # each field is checked, by its own name, though max_completion_tokens wins
-        (request("maxtok-both", CHAT, messages=user("x"), max_tokens=-1, max_completion_tokens=5), "max_tokens=-1"),
-        (request("maxcomp0", CHAT, messages=user("x"), max_tokens=5, max_completion_tokens=0),
-         "max_completion_tokens=0"),
-        (request("stream", prompt="x", stream=True), "stream"),
-        (request("stream-str", prompt="x", stream="false"), "stream"),  # only false is false
-        (request("empty", prompt=""), "empty"),
-        (request("noprompt"), "prompt must be"),
+        (x("maxtok-both", CHAT, max_tokens=-1, max_completion_tokens=5), "max_tokens=-1"),
+        (x("maxcomp0", CHAT, max_tokens=5, max_completion_tokens=0), "max_completion_tokens=0"),
+        (x("stream", stream=True), "stream"), (x("stream-str", stream="false"), "stream"),  # only false is false
+        (request("empty", prompt=""), "empty"), (request("noprompt"), "prompt must be"),
         (request("vocab", prompt=[5, 99999]), "outside the vocabulary"),
-        (request("stop-id", prompt="x", stop_token_ids=[99999]), "stop token id 99999"),
+        (x("stop-id", stop_token_ids=[99999]), "stop token id 99999"),
         (request("msgs", CHAT, messages=user(5)), "content"),
         (request("image", CHAT, messages=user([{"type": "image_url"}])), "'text'"),
         (request("nomsgs", CHAT, messages=[]), "messages must be a non-empty list"),
-        (request("toplp", CHAT, messages=user("x"), top_logprobs=2), "top_logprobs needs logprobs=true"),
-        (request("toplp-false", CHAT, messages=user("x"), top_logprobs=2, logprobs=False),
-         "top_logprobs needs logprobs=true"),  # not just given
-        (request("chatlp", CHAT, messages=user("x"), logprobs=5), "logprobs=5"),
-        (request("lp21", prompt="x", logprobs=21), r"logprobs=21 must be in [0, 20]"),
+        (x("toplp", CHAT, top_logprobs=2), "top_logprobs needs logprobs=true"),
+        # logprobs=false given is not enough
+        (x("toplp-false", CHAT, top_logprobs=2, logprobs=False), "top_logprobs needs logprobs=true"),
+        (x("chatlp", CHAT, logprobs=5), "logprobs=5"), (x("lp21", logprobs=21), r"logprobs=21 must be in [0, 20]"),
         (request("role", CHAT, messages=[{"role": "system", "content": "Hi"}, {"content": "Hi"}]),
          "messages[1] must be an object with a string role"),  # found as the line is parsed
         (request("role5", CHAT, messages=[{"role": "system", "content": "Hi"}, {"role": 5, "content": "Hi"}]),
@@ -182,8 +176,8 @@ BAD = [(line, code, named) for code, cases in BAD_LINES.items() for line, named 
 
 
 def test_each_bad_line_gets_an_error_line_and_the_job_goes_on(llm, tmp_path):
-    good = lambda i: request(f"good-{i}", prompt=f"fine {i}", max_tokens=3, temperature=0)  # noqa: E731
-    inp, out = files(tmp_path, [good(1)] + [line for line, _, _ in BAD] + ["", "   "] + [good(2)])
+    good = [request(f"good-{i}", prompt=f"fine {i}", max_tokens=3, temperature=0) for i in (1, 2)]
+    inp, out = files(tmp_path, good[:1] + [line for line, _, _ in BAD] + ["", "   "] + good[1:])
     assert run(llm, inp, out) == 1
     results = read_results(out)
     assert len(results) == len(BAD) + 2  # blank lines are no requests
@@ -192,29 +186,31 @@ def test_each_bad_line_gets_an_error_line_and_the_job_goes_on(llm, tmp_path):
         custom_id = line.get("custom_id") if isinstance(line, dict) and "custom_id" not in code else None
         result = results[custom_id if custom_id is not None else f"batch_req_line{i}"]
         assert result["custom_id"] == custom_id and result["response"] is None, line
-        assert result["error"]["code"] == code, (line, result["error"])
-        assert named in result["error"]["message"] and f"line {i}" in result["error"]["message"], result["error"]
+        error = result["error"]
+        assert error["code"] == code and named in error["message"] and f"line {i}" in error["message"], (line, error)
     for key in ("good-1", "good-2"):
         assert results[key]["error"] is None and len(choices(results[key])[0]["text"]) > 0
     assert llm.is_finished()  # nothing of a rejected line was left queued
 
 
+def parse(line: dict, number: int = 1):
+    return parse_request(line, line["custom_id"], number)
+
+
 def test_body_fields_as_openai_clients_write_them():
-    """OpenAI clients' fields: model, user, metadata ignored; max_completion_tokens wins; n, top_logprobs limits."""
-    line = request("a", CHAT, model="gpt-4o-mini", user="u1", metadata={"k": "v"}, messages=user("Hi"),
-                   max_tokens=50, max_completion_tokens=7, n=MAX_N, logprobs=True, top_logprobs=20)
-    parsed = parse_request(line, "a", 1)
+    # model, user and metadata are ignored
+    parsed = parse(x("a", CHAT, model="gpt-4o-mini", user="u1", metadata={"k": "v"}, max_tokens=50,
+                     max_completion_tokens=7, n=MAX_N, logprobs=True, top_logprobs=20))
     assert (parsed.max_tokens, parsed.n, parsed.sampling["logprobs"]) == (7, MAX_N, 20)
     assert "model" not in parsed.sampling and "user" not in parsed.sampling
-    assert parse_request(request("b", model="m", prompt="x", max_tokens=5, logprobs=0), "b", 2).max_tokens == 5
-    parsed = parse_request(request("e", CHAT, messages=user("Hi"), logprobs=True, max_completion_tokens=None,
-                                   max_tokens=3, n=None), "e", 5)
+    assert parse(x("b", model="m", max_tokens=5, logprobs=0), 2).max_tokens == 5
+    parsed = parse(x("e", CHAT, logprobs=True, max_completion_tokens=None, max_tokens=3, n=None), 5)
     assert (parsed.sampling["logprobs"], parsed.max_tokens, parsed.n) == (0, 3, 1)  # null: not given
-    assert "logprobs" not in parse_request(request("f", CHAT, messages=user("Hi"), logprobs=False), "f", 6).sampling
+    assert "logprobs" not in parse(x("f", CHAT, logprobs=False), 6).sampling
     with pytest.raises(LineError, match=r"n=129 must be in \[1, 128\]"):
-        parse_request(request("c", prompt="x", n=MAX_N + 1), "c", 3)
+        parse(x("c", n=MAX_N + 1), 3)
     with pytest.raises(LineError, match=r"top_logprobs=21 must be in \[0, 20\]"):
-        parse_request(request("d", CHAT, messages=user("Hi"), logprobs=True, top_logprobs=21), "d", 4)
+        parse(x("d", CHAT, logprobs=True, top_logprobs=21), 4)
 
 
 def test_vllm_sampling_fields_reach_the_sampling_params():
@@ -222,10 +218,9 @@ def test_vllm_sampling_fields_reach_the_sampling_params():
     fields = dict(temperature=0.5, top_p=0.9, presence_penalty=0.25, frequency_penalty=-0.5, min_p=0.05,
                   repetition_penalty=1.1, top_k=7, min_tokens=2, ignore_eos=True, stop_token_ids=[3, 4],
                   skip_special_tokens=False, seed=11, stop=["\n\n"])
-    for line in (request("a", prompt="x", **fields), request("b", CHAT, messages=user("x"), **fields)):
-        parsed = parse_request(line, line["custom_id"], 1)
-        assert parsed.sampling == fields
-        SamplingParams(**parsed.sampling)
+    for line in (x("a", **fields), x("b", CHAT, **fields)):
+        assert parse(line).sampling == fields
+        SamplingParams(**parse(line).sampling)
 
 
 def test_fields_a_line_leaves_out_take_the_models_generation_config(tmp_path):
@@ -233,7 +228,7 @@ def test_fields_a_line_leaves_out_take_the_models_generation_config(tmp_path):
     got = []
     llm = SimpleNamespace(config=SimpleNamespace(max_model_len=64), sampling_defaults=sampling_defaults(str(tmp_path)),
                           encode=list, submit=lambda ids, params: got.append(params))
-    BatchExecutor(llm, "m").start(parse_request(request("a", prompt="x", top_k=5), "a", 1))
+    BatchExecutor(llm, "m").start(parse(x("a", top_k=5)))
     assert (got[0].temperature, got[0].top_k, got[0].top_p) == (0.6, 5, 1.0)
 
 
@@ -244,14 +239,13 @@ def test_result_line_usage_and_logprobs():
                 "finish_reason": "length", "stop_reason": None, "num_cached_tokens": 16},
                {"text": "f", "token_ids": [7], "logprobs": [{7: -0.25}],
                 "finish_reason": "stop", "stop_reason": None, "num_cached_tokens": 32}]
-    completion = parse_request(request("c", prompt="x", logprobs=1, n=2), "c", 1)
-    line = result_line(completion, outputs, 40, "m", texts.get)
-    assert line["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    line = result_line(parse(x("c", logprobs=1, n=2)), outputs, 40, "m", texts.get)
+    assert body(line)["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
     first = choices(line)[0]["logprobs"]
     assert first["tokens"] == ["ab", "cde"] and first["text_offset"] == [0, 2]
     assert first["token_logprobs"] == [-0.5, MIN_LOGPROB]  # top_logprobs: the sampled token too, as OpenAI's
     assert first["top_logprobs"] == [{"f": -0.25, "ab": -0.5}, {"cde": MIN_LOGPROB}]
-    chat = parse_request(request("h", CHAT, messages=user("x"), logprobs=True, top_logprobs=1, n=2), "h", 2)
+    chat = parse(x("h", CHAT, logprobs=True, top_logprobs=1, n=2), 2)
     content = choices(result_line(chat, outputs, 40, "m", texts.get))[0]["logprobs"]["content"]
     assert content[1]["logprob"] == MIN_LOGPROB and content[1]["top_logprobs"][0]["logprob"] == MIN_LOGPROB
     assert [e["token"] for e in content[0]["top_logprobs"]] == ["f"]  # the k likeliest only
@@ -480,8 +474,8 @@ def test_finish_aborts_the_other_choices_of_a_choice_that_failed_on_its_own(llm,
     """Ray's replicas call `finish` at once: the choices still running are aborted, not run to max_tokens."""
     executor = BatchExecutor(llm, "tiny")
     poison_at_submit(llm, monkeypatch, "prompt 1")
-    pending = executor.start(parse_request(request("r1", prompt="prompt 1", max_tokens=MAX_MODEL_LEN // 2,
-                                                   ignore_eos=True, n=2), "r1", 7))
+    pending = executor.start(parse(request("r1", prompt="prompt 1", max_tokens=MAX_MODEL_LEN // 2, ignore_eos=True,
+                                           n=2), 7))
     line, tokens = within(30, executor.finish, pending)
     assert line["error"]["code"] == "server_error" and "line 7" in line["error"]["message"] and tokens == 0
     assert within(30, pending.handles[1].result)["finish_reason"] == "abort"
