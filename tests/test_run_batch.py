@@ -307,7 +307,7 @@ def test_a_signal_never_cuts_a_result_line(llm, tmp_path, monkeypatch, capsys, f
 
 
 def test_signals_held_delivers_each_signal_that_came_once_after_the_block():
-    """A SIGTERM and a SIGINT held while a line is written both reach their handlers after it; a second adds nothing."""
+    # as while a line is written; a second SIGTERM adds nothing
     got = []
     previous = {signum: signal.signal(signum, lambda signum, frame: got.append(signum))
                 for signum in (signal.SIGINT, signal.SIGTERM)}

@@ -138,7 +138,7 @@ def test_top_p_keeps_a_token_while_the_likelier_ones_hold_less(top_p, kept):
 
 
 def test_turned_off_top_k_and_top_p_keep_every_token_beside_rows_that_use_them():
-    """top_k=-1 (as 0) and top_p=1 keep every token beside rows using them, even where one token has all the mass."""
+    # top_k=-1 is taken as 0; even where one token has all the mass
     seqs = [Sequence([5, 6], SamplingParams(top_k=-1, top_p=1.0, seed=1)),
             Sequence([5, 6], SamplingParams(top_k=2, top_p=0.5))]
     batch = batch_of(seqs, frozenset([1]))
@@ -189,7 +189,7 @@ def test_a_seeded_requests_draws_differ_from_position_to_position():
 
 
 def test_a_seeded_request_continued_from_its_own_output_draws_the_same(llm):
-    """A seed fixes each position's draw: a prompt plus the start of its seeded output, same seed, continues it."""
+    # a seed fixes each position's draw
     prompt = prompts(1, seed=6)[0]
     expected = one(llm, prompt, sampled(max_tokens=12, seed=11))["token_ids"]
     for j in (1, 5):
@@ -390,7 +390,6 @@ def test_special_tokens_in_text(llm):
 
 
 def test_decode_skips_special_tokens_by_default_as_an_outputs_text_does(llm):
-    """llm.decode(token_ids) gives the text that an output of those tokens has with the default params."""
     special = sorted(llm.tokenizer.all_special_ids)
     token_ids = [special[0], 100, special[-1], 101]
     assert llm.decode(token_ids) == llm.tokenizer.decode(token_ids, skip_special_tokens=True)
