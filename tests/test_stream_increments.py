@@ -188,6 +188,27 @@ def test_find_stop_gives_the_earliest_stop_string_that_ends_in_new_text(tokenize
         searched = len(text)
 
 
+@pytest.mark.parametrize("stop_token", [False, True])
+def test_a_stop_string_held_back_with_half_a_character_ends_the_request(stop_token):
+    """"b" and the first byte of "€" are one token: its text, held back, counts when the request ends."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet + ["b\u00e2"])}, [("b", "\u00e2")]))
+    backend.decoder = decoders.ByteLevel()
+    handle = make_handle(PreTrainedTokenizerFast(tokenizer_object=backend), stop=["ab"], stop_token_ids=[0])
+    sample(handle, alphabet.index("a"))
+    if stop_token:
+        sample(handle, 256)
+        handle.seq.append_token(0)
+        handle.seq.status, handle.seq.finish_reason, handle.seq.stop_reason = SequenceStatus.FINISHED, "stop", 0
+        assert handle._on_token(0)
+        handle._on_finish()
+    else:
+        assert sample(handle, 256, last=True)  # at max_tokens
+    out = handle.result(timeout=0)
+    assert (out["text"], out["finish_reason"], out["stop_reason"]) == ("", "stop", "ab")
+
 def test_a_listener_gets_each_increment_as_it_is_made(tokenizer):
     counting = CountingTokenizer(tokenizer)
     handle = make_handle(counting)

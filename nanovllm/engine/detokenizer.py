@@ -24,7 +24,8 @@ class IncrementalDetokenizer:
 
     Each new piece is the difference between decoding the tokens since `prefix_offset` with and without the
     newest ones, so a tokenizer that treats the first token of a decode specially sees the same context twice.
-    A piece that ends in U+FFFD (an incomplete UTF-8 sequence) is held back until more tokens complete it.
+    A piece that ends in U+FFFD (an incomplete UTF-8 sequence) is held back until more tokens complete it, or
+    until the last push (`final`): no token will complete it then.
     """
 
     def __init__(self, tokenizer, lock: threading.Lock, skip_special_tokens: bool = False):
@@ -38,11 +39,11 @@ class IncrementalDetokenizer:
         with self.lock:
             return self.decode(token_ids, self.skip_special_tokens)
 
-    def push(self, token_ids: list[int]) -> str:
+    def push(self, token_ids: list[int], final: bool = False) -> str:
         self.token_ids.extend(token_ids)
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or full.endswith("\ufffd") and not final:
             return ""
         piece = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)

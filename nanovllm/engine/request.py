@@ -171,16 +171,20 @@ class RequestHandle:
     def _on_token(self, token_id: int) -> bool:
         """Take a sampled token; True when it completed a stop string (the text is then cut before it)."""
         seq, detokenizer = self.seq, self._detokenizer
-        if detokenizer is None or seq.finish_reason == "stop":  # a stop token's text is not part of the output
+        stop_token = seq.finish_reason == "stop"  # a stop token's text is not part of the output
+        if detokenizer is None or stop_token and not seq.params.stop:
             return False
         with self._changed:  # a reader never sees text that a stop string will cut
             if seq.params.stop:
-                detokenizer.push([token_id])
+                # the last token: text held back as half a character is final, and a stop string in it counts
+                detokenizer.push([] if stop_token else [token_id], final=seq.is_finished)
                 hit = detokenizer.find_stop(seq.params.stop)
                 if hit is not None and seq.num_completion_tokens >= seq.params.min_tokens:
                     seq.stop_reason, end = hit
                     detokenizer.text = detokenizer.text[:end]
                     return True
+            if stop_token:
+                return False
             if self._stream and not seq.is_finished and not self._done.is_set():
                 self._unread.append(token_id)
                 if self._listeners:
