@@ -179,7 +179,7 @@ class RequestHandle:
                 # the last token: text held back as half a character is final, and a stop string in it counts
                 detokenizer.push([] if stop_token else [token_id], final=seq.is_finished)
                 hit = detokenizer.find_stop(seq.params.stop)
-                if hit is not None and seq.num_completion_tokens >= seq.params.min_tokens:
+                if hit is not None and seq.num_completion_tokens > seq.params.min_tokens:  # as vLLM v1
                     seq.stop_reason, end = hit
                     detokenizer.text = detokenizer.text[:end]
                     return True
