@@ -110,7 +110,7 @@ def test_streamed_pieces_concatenate_to_the_text(llm):
 
 
 def test_only_a_reader_makes_text(llm, monkeypatch):
-    """A request read through result() decodes once, for its output; a streamed one at each increment too (through
+    """A request read through result() decodes only for its output; a streamed one at each increment too (through
     the detokenizer's text decoder)."""
     decodes, decode, make_decoder = [], llm.tokenizer.decode, detokenizer_module.text_decoder
     monkeypatch.setattr(llm.tokenizer, "decode", lambda *args, **kw: decodes.append("output") or decode(*args, **kw))
@@ -121,7 +121,7 @@ def test_only_a_reader_makes_text(llm, monkeypatch):
     monkeypatch.setattr(detokenizer_module, "text_decoder", counting_decoder)
     params = greedy(40)
     out = llm.submit(prompts(1, seed=8)[0], params).result(timeout=30)
-    assert len(out["token_ids"]) == 40 and decodes == ["output"]
+    assert len(out["token_ids"]) == 40 and decodes == ["output"] * 2  # (the prompt's context, and with the output)
     decodes.clear()
     pieces = [increment["text"] for increment in llm.submit(prompts(1, seed=8)[0], params)]
     assert "".join(pieces) == out["text"] and decodes.count("increment") > 2

@@ -52,28 +52,33 @@ def sample(handle: RequestHandle, token_id: int, last: bool = False) -> bool:
     return stopped
 
 
+def after_prompt(tokenizer, token_ids: list[int], **kwargs) -> str:
+    """The completion's text, as the prompt's and its own join up (PROMPT is shorter than the context)."""
+    return tokenizer.decode(PROMPT + token_ids, **kwargs)[len(tokenizer.decode(PROMPT, **kwargs)):]
+
+
 def test_a_handle_read_only_through_result_decodes_once(tokenizer):
     counting = CountingTokenizer(tokenizer)
     handle = make_handle(counting)
     token_ids = list(range(100, 160))
     for i, token_id in enumerate(token_ids):
         sample(handle, token_id, last=i == len(token_ids) - 1)
-    assert counting.decodes == 1  # the output's text, at the end
-    assert handle.result(timeout=0)["text"] == tokenizer.decode(token_ids)
+    assert counting.decodes == 2  # the output's text, at the end (and the context's before it)
+    assert handle.result(timeout=0)["text"] == after_prompt(tokenizer, token_ids)
 
 
 @settings(max_examples=60, deadline=None)
 @given(token_ids=TOKENS)
 def test_a_reader_that_keeps_up_gets_one_increment_per_token(tokenizer, token_ids):
     handle = make_handle(tokenizer)
-    reference = IncrementalDetokenizer(tokenizer, threading.Lock())  # what each token's increment held
+    reference = IncrementalDetokenizer(tokenizer, threading.Lock(), context=PROMPT)  # each token's increment
     increments, expected = iter(handle), []
     for token_id in token_ids[:-1]:
         sample(handle, token_id)
         expected.append({"token_ids": [token_id], "text": reference.push([token_id]), "finished": False})
         assert within(5, next, increments) == expected[-1]
     sample(handle, token_ids[-1], last=True)
-    expected.append({"token_ids": token_ids[-1:], "text": tokenizer.decode(token_ids)[len(reference.text):],
+    expected.append({"token_ids": token_ids[-1:], "text": after_prompt(tokenizer, token_ids)[len(reference.text):],
                      "finished": True, "finish_reason": "length", "stop_reason": None})
     assert within(5, next, increments) == expected[-1]
     assert within(5, list, handle) == expected
@@ -148,6 +153,20 @@ def test_pieces_keep_the_spaces_of_a_sentencepiece_tokenizer(metaspace_tokenizer
     pieces = [detokenizer.push([token_id]) for token_id in token_ids]
     assert pieces[:3] == ["the", " quick", " brown"]
     assert "".join(pieces) == metaspace_tokenizer.decode(token_ids) == "the quick brown fox jumps over the lazy dog"
+
+
+def test_a_completion_keeps_the_space_its_first_word_has_after_the_prompt(metaspace_tokenizer):
+    """As vLLM: "the quick" + " brown fox", not "brown fox" (a decode of the completion alone drops the space)."""
+    prompt, completion = (metaspace_tokenizer.encode(text) for text in ("the quick", " brown fox"))
+    for stop, text in (([], " brown fox"), (["fox"], " brown ")):  # the output's decode, the detokenizer's text
+        seq = Sequence(prompt, SamplingParams(max_tokens=len(completion), stop=stop))
+        handle = RequestHandle(SimpleNamespace(need_progress=lambda h: None), metaspace_tokenizer, threading.Lock(),
+                               seq, stream=True)
+        increments = iter(handle)
+        for i, token_id in enumerate(completion):
+            sample(handle, token_id, last=i == len(completion) - 1)
+            next(increments)  # read as they come
+        assert handle.result(timeout=0)["text"] == "".join(i["text"] for i in handle) == text
 
 
 @settings(max_examples=60, deadline=None)
@@ -225,8 +244,8 @@ def test_a_listener_gets_each_increment_as_it_is_made(tokenizer):
         event_loop.close()
     items = [queue.get_nowait() for _ in range(queue.qsize())]
     assert [i["token_ids"] for i in items] == [[100], [101], [102], [103]]
-    assert counting.decodes == 3 * 2 + 1  # each increment's text as it came, and the output's
-    assert "".join(i["text"] for i in items) == tokenizer.decode([100, 101, 102, 103])
+    assert counting.decodes == 3 * 2 + 2  # each increment's text as it came, and the output's
+    assert "".join(i["text"] for i in items) == after_prompt(tokenizer, [100, 101, 102, 103])
 
 
 def test_an_error_follows_the_unread_increments(tokenizer):

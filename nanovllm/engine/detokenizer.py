@@ -18,9 +18,23 @@ def text_decoder(tokenizer) -> Callable[[list[int], bool], str]:
     return lambda token_ids, skip: tokenizer.decode(token_ids, skip_special_tokens=skip)
 
 
+CONTEXT_TOKENS = 4  # the prompt's last tokens, which a completion is decoded after (vLLM primes with 4 or more)
+
+
+def completion_text(decode: Callable[[list[int], bool], str], context: list[int], token_ids: list[int],
+                    skip_special_tokens: bool) -> str:
+    """The text of `token_ids` after `context` (the prompt's last CONTEXT_TOKENS), which the pieces of an
+    `IncrementalDetokenizer` concatenate to.
+
+    Decoded after the prompt, as vLLM does: a decode treats its first token specially (a
+    SentencePiece tokenizer drops a word's leading space there), which the completion's first token must not
+    see: after "The capital is" the text is " Paris", as the prompt's text and the completion's join up."""
+    return decode(context + token_ids, skip_special_tokens)[len(decode(context, skip_special_tokens)):]
+
+
 class IncrementalDetokenizer:
-    """The text of a growing list of token ids, a piece at a time: never half of a multi-byte character, and
-    the pieces concatenate to `tokenizer.decode(token_ids)`.
+    """The text of a growing list of token ids after a prompt, a piece at a time: never half of a multi-byte
+    character, and the pieces concatenate to `completion_text`.
 
     Each new piece is the difference between decoding the tokens since `prefix_offset` with and without the
     newest ones, so a tokenizer that treats the first token of a decode specially sees the same context twice.
@@ -28,10 +42,11 @@ class IncrementalDetokenizer:
     until the last push (`final`): no token will complete it then.
     """
 
-    def __init__(self, tokenizer, lock: threading.Lock, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer, lock: threading.Lock, skip_special_tokens: bool = False,
+                 context: list[int] = ()):
         self.decode, self.lock, self.skip_special_tokens = text_decoder(tokenizer), lock, skip_special_tokens
-        self.token_ids: list[int] = []
-        self.prefix_offset = self.read_offset = 0
+        self.token_ids = list(context)  # decoded before the first piece
+        self.prefix_offset, self.read_offset = 0, len(self.token_ids)
         self.text = ""  # the pieces so far
         self.searched = 0  # stop strings have been looked for in text[:searched]
 

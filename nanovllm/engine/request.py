@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer, completion_text
 from nanovllm.engine.sequence import PENDING, Sequence
 
 
@@ -40,8 +40,10 @@ class RequestHandle:
         self.seq = seq
         params = seq.params
         self._stream = stream  # False: nobody reads increments before the end, so none are made
-        self._detokenizer = (IncrementalDetokenizer(tokenizer, tokenizer_lock, params.skip_special_tokens)
-                             if stream or params.stop else None)
+        # the completion's text is decoded after the prompt's last tokens (detokenizer.completion_text says why)
+        self._context = seq.token_ids[max(seq.num_prompt_tokens - CONTEXT_TOKENS, 0):seq.num_prompt_tokens]
+        self._detokenizer = (IncrementalDetokenizer(tokenizer, tokenizer_lock, params.skip_special_tokens,
+                                                    self._context) if stream or params.stop else None)
         self._streamed = 0  # characters of text sent in increments
         self._sent = 0  # token ids sent in increments
         # a stream holds back what may yet turn out to be the start of a stop string
@@ -223,8 +225,10 @@ class RequestHandle:
             text = self._detokenizer.text  # cut before the stop string
         else:  # nor is the text of an EOS or stop token part of it
             with self._tokenizer_lock:
-                text = self._tokenizer.decode(token_ids[:-1] if finish_reason == "stop" else token_ids,
-                                              skip_special_tokens=seq.params.skip_special_tokens)
+                text = completion_text(lambda ids, skip: self._tokenizer.decode(ids, skip_special_tokens=skip),
+                                       self._context,
+                                       token_ids[:-1] if finish_reason == "stop" else token_ids,
+                                       seq.params.skip_special_tokens)
         return {
             "text": text,
             "token_ids": token_ids,
