@@ -1,5 +1,6 @@
 """No call waits forever: failures reach every waiter, close() ends what runs, bad input is named, step() runs alone."""
 import asyncio
+import functools
 import gc
 import os
 import signal
@@ -29,9 +30,8 @@ PROMPT = [5, 6, 7]
 W, A, B = 89, 67, 68  # "w", "a", "b" in the tiny tokenizer
 
 
-def engine(tiny_model, **kwargs) -> LLM:
-    """(A capped cache: on a GPU, one sized from memory leaves the next engine none.)"""
-    return LLM(tiny_model, kvcache_block_size=16, **{"num_kvcache_blocks": 4096, **kwargs})
+# (a capped cache: on a GPU, one sized from memory leaves the next engine none)
+engine = functools.partial(LLM, kvcache_block_size=16, num_kvcache_blocks=4096)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,10 @@ def running(llm: LLM):
     return handle
 
 
+def assert_aborted(handle: RequestHandle):
+    assert within(10, handle.result)["finish_reason"] == "abort"
+
+
 def ids(script: str) -> list[int]:
     return [{"w": W, "a": A, "b": B}[c] for c in script]
 
@@ -84,6 +88,14 @@ def script_tokens(monkeypatch, llm: LLM, script: str):
         return StepOutput(torch.tensor([tokens[seq.num_completion_tokens] for seq in seqs if seq.samples_this_step],
                                        dtype=torch.int64))
     monkeypatch.setattr(llm.model_runner, "run", run)
+
+
+def steps(llm: LLM) -> list[tuple]:
+    """What each step() returned until the engine finished."""
+    returned = []
+    while not llm.is_finished():
+        returned.append(llm.step())
+    return returned
 
 
 def fail_finish(monkeypatch, which) -> list:
@@ -122,7 +134,7 @@ def test_a_listener_whose_event_loop_closed_is_dropped(llm):
         assert within(10, next, increments)["finished"] is False
     assert llm.stats()["num_running"] == 2  # the request whose listener died runs on
     beside.abort()
-    assert within(10, beside.result)["finish_reason"] == "abort"  # not failed by the dead listener
+    assert_aborted(beside)  # not failed by the dead listener
     assert len(within(30, greedy, llm)) == 8
     del stream
     for handle in list(llm._loop.handles.values()):  # else its 3000 tokens slow the tests after it
@@ -156,7 +168,7 @@ def test_result_timeout_leaves_the_request_running(llm):
         handle.result(timeout=0.05)
     assert not handle.finished
     handle.abort()
-    assert within(10, handle.result)["finish_reason"] == "abort"
+    assert_aborted(handle)
 
 
 # ---- close()
@@ -179,9 +191,7 @@ def test_close_ends_every_waiting_call(tiny_model):
     # running is scheduled, not sampled: two more steps give every call tokens
     seen = len(increments)
     wait_until(lambda: len(increments) >= max(3, seen + 2))
-    start = time.monotonic()
-    llm.close()
-    assert time.monotonic() - start < 15
+    within(15, llm.close)
     for thread in (consuming, generating, streaming):
         thread.join(10)
         assert not thread.is_alive()
@@ -218,7 +228,7 @@ def test_close_ends_a_request_the_loop_thread_is_taking_in(tiny_model, monkeypat
     handle = llm.submit(PROMPT, LONG)
     assert taking.wait(30)
     within(30, llm.close)
-    assert within(10, handle.result)["finish_reason"] == "abort"
+    assert_aborted(handle)
 
 
 def test_close_ends_a_request_nobody_took_in(tiny_model):
@@ -259,12 +269,6 @@ def test_close_ends_as_aborted_the_requests_of_a_step_that_completes_after_it_be
     for out in outputs:
         assert out["token_ids"] and PENDING not in out["token_ids"]
     assert len(outputs[0]["logprobs"]) == len(outputs[0]["token_ids"])
-
-
-def stream_adds_up(handle: RequestHandle) -> bool:
-    out, increments = handle.result(timeout=0), list(handle)
-    return ([t for increment in increments for t in increment["token_ids"]] == out["token_ids"]
-            and "".join(increment["text"] for increment in increments) == out["text"])
 
 
 @pytest.mark.parametrize("switch", ["as-the-step-tells-the-finishing-token", "after-the-output-is-made"])
@@ -311,14 +315,17 @@ def test_a_stream_that_close_ends_adds_up_to_its_output(tiny_model, monkeypatch,
     for handle in handles:
         within(10, handle.result)
     closing[0].join(15)
-    assert all(stream_adds_up(handle) for handle in handles)
+    for handle in handles:
+        out, increments = handle.result(timeout=0), list(handle)
+        assert sum((i["token_ids"] for i in increments), []) == out["token_ids"]
+        assert "".join(i["text"] for i in increments) == out["text"]
 
 
 def test_close_ends_a_request_it_takes_in_while_a_failed_step_fails_the_others(tiny_model, monkeypatch):
     # close() moves the inbox's request into the table while a failed step fails the others: it is not lost
     llm = engine(tiny_model)
     first = running(llm)
-    loop, runner = llm._loop, llm.model_runner
+    loop = llm._loop
     entered, failing, failing_them = threading.Event(), threading.Event(), threading.Event()
 
     def failing_run(seqs):
@@ -340,7 +347,7 @@ def test_close_ends_a_request_it_takes_in_while_a_failed_step_fails_the_others(t
             time.sleep(1.0)
         return inbox
 
-    monkeypatch.setattr(runner, "run", failing_run)
+    monkeypatch.setattr(llm.model_runner, "run", failing_run)
     assert entered.wait(30)
     late = llm.submit([8, 9], GREEDY)  # in the inbox: a step is running
     monkeypatch.setattr(RequestHandle, "_on_error", slow_on_error)
@@ -350,7 +357,7 @@ def test_close_ends_a_request_it_takes_in_while_a_failed_step_fails_the_others(t
     within(30, llm.close)
     with pytest.raises(RuntimeError, match="injected model error"):
         first.result(timeout=10)
-    assert late.result(timeout=10)["finish_reason"] == "abort"
+    assert_aborted(late)
 
 
 @pytest.mark.parametrize("added", [False, True], ids=["as-it-is-taken-in", "once-it-is-scheduled"])
@@ -374,28 +381,26 @@ def test_an_interrupt_while_a_step_takes_requests_in_orphans_none(own_llm, monke
     with pytest.raises(KeyboardInterrupt):
         first.result(timeout=0)
     assert [handle for _, handle in llm._loop.inbox] == [second, *later]  # first come, first served
-    while not llm.is_finished():
-        llm.step()
+    steps(llm)
     assert len(within(10, second.result)["token_ids"]) == len(within(10, later[0].result)["token_ids"]) == 8
     assert_idle_and_clean(llm)
     assert llm._loop.handles == {}
 
 
 def test_an_aborted_request_leaves_the_table_of_requests(own_llm):
-    """An abort ends the request and takes it out of the engine's table: a server keeps no aborted handle for good."""
+    # a server keeps no aborted handle for good
     running, queued = own_llm.add_request(PROMPT, LONG), own_llm.add_request([8, 9], LONG)
     own_llm.step()
     running.abort()
     queued.abort()
-    while not own_llm.is_finished():
-        own_llm.step()
+    steps(own_llm)
     assert running.result(timeout=0)["finish_reason"] == queued.result(timeout=0)["finish_reason"] == "abort"
     assert own_llm._loop.handles == {}
     assert_idle_and_clean(own_llm)
 
 
 def test_a_request_that_close_ended_on_its_way_in_is_not_scheduled(own_llm, monkeypatch):
-    """A request that close() ends just after a step took it in is not scheduled (no reader; it would hold blocks)."""
+    # no reader: it would hold blocks
     loop, take = own_llm._loop, own_llm._loop.take_inbox
 
     def take_then_close():
@@ -432,8 +437,7 @@ def test_a_request_whose_own_bookkeeping_fails_fails_alone(llm, own_llm, callbac
     while not bad.finished:
         own_llm.step()
     assert bad.seq not in (*own_llm.scheduler.running, *own_llm.scheduler.waiting)
-    while not own_llm.is_finished():
-        own_llm.step()
+    steps(own_llm)
     with pytest.raises(ValueError, match="cannot decode this token"):
         bad.result(timeout=0)
     assert good.result(timeout=0)["token_ids"] == expected
@@ -442,7 +446,7 @@ def test_a_request_whose_own_bookkeeping_fails_fails_alone(llm, own_llm, callbac
 
 
 def test_stop_on_the_loop_thread_itself_returns_instead_of_failing():
-    """Finalized on its own loop thread, stop() cannot wait for that thread: it returns True."""
+    # finalized on its own loop thread, stop() cannot wait for that thread
     outcome, fake = {}, Fake()
     fake._run_once = lambda: outcome.update(stopped=loop.stop(timeout=5))  # (None: idle)
     loop = EngineLoop(fake)
@@ -495,7 +499,7 @@ def test_an_engine_not_closed_is_torn_down_before_the_interpreter_exits(tiny_mod
 
 
 def test_a_failed_loop_fails_each_request_once_and_lets_go_of_it():
-    """fail() fails every request, taken in or in the inbox, and lets go of them."""
+    # taken in or in the inbox
     failures, fake, error = [], Fake(), RuntimeError("a worker died")
 
     def handle(request_id):
@@ -515,7 +519,7 @@ def test_a_failed_loop_fails_each_request_once_and_lets_go_of_it():
 
 @pytest.mark.parametrize("end", ["fail", "stop"])
 def test_an_ended_loop_queues_no_abort_and_later_calls_name_the_first_cause(end):
-    """Ended, a loop queues no abort (moot; the inbox would hold it for good); a later call's error chains the cause."""
+    # an abort is moot, and the inbox would hold it for good
     fake = Fake()
     loop, bug = EngineLoop(fake), ValueError("a bug in a step")
     if end == "fail":
@@ -641,7 +645,7 @@ def test_a_stream_whose_text_fails_ends_with_the_error_alone(monkeypatch, own_ll
     wait_until(lambda: llm.stats()["num_running"] == 1)
     assert not beside.finished
     beside.abort()
-    assert beside.result(timeout=10)["finish_reason"] == "abort"
+    assert_aborted(beside)
     assert_serves_on(llm, expected)
 
 
@@ -680,9 +684,7 @@ def test_a_dead_loop_thread_fails_its_requests_and_names_why(monkeypatch, own_ll
 
 def test_what_an_engine_builds_is_frozen_out_of_garbage_collections_until_close(tiny_model):
     """A full collection can stall a step; garbage from before is collected, not frozen."""
-    class Cycle:
-        pass
-    cycle = Cycle()
+    cycle = Fake()
     cycle.self = cycle
     gone = weakref.ref(cycle)
     del cycle
@@ -778,27 +780,16 @@ def test_nano_vllm_add_request_step_loop(tiny_model):
     prompts = [[3 + i, 40 + i, 7] * (i + 1) for i in range(16)]
     with engine(tiny_model, max_num_batched_tokens=64) as llm:
         request_ids = [llm.add_request(prompt, GREEDY).request_id for prompt in prompts]
-        outputs, kinds = {}, set()
-        while not llm.is_finished():
-            finished, num_tokens = llm.step()
-            kinds.add(num_tokens > 0)
-            outputs.update(finished)
+        returned = steps(llm)
+        outputs = dict(output for finished, _ in returned for output in finished)
         assert llm._loop.thread is None  # the caller alone stepped
-        assert kinds == {True, False}  # prefill steps count tokens, decode steps minus sequences
+        assert {n > 0 for _, n in returned} == {True, False}  # prefill steps count tokens, decode steps minus sequences
         expected = llm.generate(prompts, GREEDY)
     assert [outputs[i] for i in request_ids] == [o["token_ids"] for o in expected]
 
 
-def step_until_finished(llm) -> list:
-    reported = []
-    while not llm.is_finished():
-        reported += llm.step()[0]
-    return reported
-
-
 def test_a_step_loop_gets_its_requests_when_the_loop_thread_steps_them_too(own_llm):
-    """Once generate() started the loop thread, it steps add_request's requests too: step() still returns each one
-    once, finished by the thread before the loop began (first round) or while it runs (second)."""
+    # step() returns each once, finished by the thread before the loop began (first round) or while it runs (second)
     prompts = [[3 + i, 40 + i, 7] for i in range(8)]
     params = [greedy_params(2 + 3 * i) for i in range(8)]
     expected = [out["token_ids"] for out in own_llm.generate(prompts, params)]
@@ -806,7 +797,7 @@ def test_a_step_loop_gets_its_requests_when_the_loop_thread_steps_them_too(own_l
         handles = [own_llm.add_request(prompt, sp) for prompt, sp in zip(prompts, params)]
         if thread_first:
             wait_until(lambda: all(handle.finished for handle in handles))
-        reported = within(60, step_until_finished, own_llm)
+        reported = [output for finished, _ in within(60, steps, own_llm) for output in finished]
         assert sorted(request_id for request_id, _ in reported) == [handle.request_id for handle in handles]
         assert [dict(reported)[handle.request_id] for handle in handles] == expected
 
@@ -821,8 +812,7 @@ def test_a_request_on_its_way_into_the_scheduler_is_not_finished(own_llm, monkey
 
 @pytest.mark.parametrize("finished_first", [True, False])
 def test_a_request_waited_on_is_not_left_for_step(own_llm, finished_first):
-    """add_request's request read through its handle (which starts the loop thread) is the reader's: step() does
-    not return it, and is_finished() does not wait for it, whether it finished before the wait or after."""
+    # read through its handle (which starts the loop thread), it is the reader's: is_finished() does not wait for it
     own_llm.generate([PROMPT], GREEDY)
     handle = own_llm.add_request(PROMPT, GREEDY)
     if finished_first:
@@ -839,11 +829,9 @@ def test_step_counts_prefill_tokens_then_minus_decodes_until_the_token_in_flight
     with engine(tiny_model, async_scheduling=async_scheduling) as llm:
         script_tokens(monkeypatch, llm, "awbbbb")
         request_id = llm.add_request(PROMPT, SamplingParams(max_tokens=6, stop_token_ids=[W])).request_id
-        steps = []
-        while not llm.is_finished():
-            steps.append(llm.step())
-        assert [num_tokens for _, num_tokens in steps] == counts
-        assert [finished for finished, _ in steps if finished] == [[(request_id, [A, W])]]
+        returned = steps(llm)
+        assert [num_tokens for _, num_tokens in returned] == counts
+        assert [finished for finished, _ in returned if finished] == [[(request_id, [A, W])]]
         assert not llm._loop.handles and not llm.scheduler.running and llm._in_flight is None
 
 
@@ -851,10 +839,7 @@ def test_a_prompts_last_token_alone_is_a_prefill_step(own_llm):
     # a one-token prompt, and a 17-token one whose first 16 tokens are cached the second time
     for prompt, prefill in (([5], 1), (list(range(400, 417)), 17), (list(range(400, 417)), 1)):
         own_llm.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-        counts = []
-        while not own_llm.is_finished():
-            counts.append(own_llm.step()[1])
-        assert counts[:2] == [prefill, -1]
+        assert [num_tokens for _, num_tokens in steps(own_llm)][:2] == [prefill, -1]
 
 
 def test_a_steps_throughput_counts_from_its_launch_after_a_pause(tiny_model, monkeypatch):
@@ -875,8 +860,7 @@ def test_a_steps_throughput_counts_from_its_launch_after_a_pause(tiny_model, mon
             llm.step()  # the prefill's launch
             llm.step()  # a decode's launch, then the prefill's tokens: 4 tokens in 1 s
             assert llm._throughput["Prefill"] == "4tok/s"
-            while not llm.is_finished():
-                llm.step()
+            steps(llm)
             assert llm._throughput["Decode"] == "1tok/s"
 
 

@@ -110,11 +110,11 @@ def test_steps_overlap_only_when_asked(tiny_model, monkeypatch, params):
 
 
 def test_the_extra_token_of_an_ended_request_is_dropped(tiny_model):
-    params = greedy(20)
+    batch = prompts(6, seed=3)
     with LLM(tiny_model, kvcache_block_size=16) as llm:
-        full = llm.generate(prompts(6, seed=3), params)
+        full = llm.generate(batch, greedy(20))
         stops = [SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[o["token_ids"][4]]) for o in full]
-        handles = [llm.submit(p, stop) for p, stop in zip(prompts(6, seed=3), stops)]
+        handles = [llm.submit(p, stop) for p, stop in zip(batch, stops)]
         for handle in handles:
             handle.result(timeout=30)
         assert_idle_and_clean(llm, 10)  # the step in flight completes too, and every block is free
@@ -128,10 +128,10 @@ def test_the_extra_token_of_an_ended_request_is_dropped(tiny_model):
 
 
 def test_aborted_mid_run_keeps_only_known_tokens(tiny_model):
-    long = greedy(300)
+    batch, long = prompts(3, seed=4), greedy(300)
     with LLM(tiny_model, kvcache_block_size=16) as llm:
-        expected = llm.generate(prompts(3, seed=4), long)
-        handles = [llm.submit(p, long) for p in prompts(3, seed=4)]
+        expected = llm.generate(batch, long)
+        handles = [llm.submit(p, long) for p in batch]
         increments = [iter(h) for h in handles]
         for _ in range(5):
             for it in increments:

@@ -9,13 +9,18 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 EOS = 1
 
 
-def make_scheduler(tiny_model, *seqs, prefill_first=True, **kwargs) -> Scheduler:
-    config = Config(tiny_model, kvcache_block_size=16, prefill_first=prefill_first, **kwargs)
-    config.eos_token_ids = (EOS,)
-    s = Scheduler(config)
-    for seq in seqs:
-        s.add(seq)
-    return s
+@pytest.fixture
+def scheduler(tiny_model):
+    """Makes a Scheduler of `seqs` (8 blocks of 16 tokens unless told)."""
+    def make(*seqs, prefill_first=True, **kwargs) -> Scheduler:
+        config = Config(tiny_model, kvcache_block_size=16, prefill_first=prefill_first,
+                        **{"num_kvcache_blocks": 8, **kwargs})
+        config.eos_token_ids = (EOS,)
+        s = Scheduler(config)
+        for seq in seqs:
+            s.add(seq)
+        return s
+    return make
 
 
 def step(scheduler: Scheduler, token: int = 5):
@@ -30,9 +35,9 @@ def plan(s: Scheduler) -> dict:
     return step(s)[0]
 
 
-def test_chunked_prefill_then_decode(tiny_model):
+def test_chunked_prefill_then_decode(scheduler):
     a, b = Sequence([9] * 50), Sequence([9] * 10)
-    s = make_scheduler(tiny_model, a, b, max_num_batched_tokens=32, num_kvcache_blocks=64)
+    s = scheduler(a, b, max_num_batched_tokens=32)
     assert plan(s) == {a.seq_id: 32}  # a is chunked at the budget
     assert plan(s) == {a.seq_id: 18, b.seq_id: 10}  # a finishes its prompt, b joins
     assert a.num_completion_tokens == 1 and b.num_completion_tokens == 1
@@ -40,10 +45,10 @@ def test_chunked_prefill_then_decode(tiny_model):
 
 
 @pytest.mark.parametrize("chunks", [[4], [32, 2]])
-def test_prefill_runs_before_decode(tiny_model, chunks):
+def test_prefill_runs_before_decode(scheduler, chunks):
     """Waiting prompts first, decodes stall: a step is all prefill or all decode, a chunked prompt's last one too."""
     a, b = Sequence([9] * 4), Sequence([9] * sum(chunks))
-    s = make_scheduler(tiny_model, a, max_num_batched_tokens=32, num_kvcache_blocks=64)
+    s = scheduler(a, max_num_batched_tokens=32)
     assert plan(s) == {a.seq_id: 4}
     s.add(b)
     for chunk in chunks:
@@ -52,19 +57,18 @@ def test_prefill_runs_before_decode(tiny_model, chunks):
 
 
 @pytest.mark.parametrize("prefill_first", [True, False])
-def test_a_prompt_of_max_model_len_is_prefilled_in_chunks_and_gets_one_token(tiny_model, prefill_first):
+def test_a_prompt_of_max_model_len_is_prefilled_in_chunks_and_gets_one_token(scheduler, prefill_first):
     a = Sequence([9] * 80, SamplingParams(max_tokens=10))
-    s = make_scheduler(tiny_model, a, prefill_first=prefill_first, max_num_batched_tokens=32, num_kvcache_blocks=64,
-                       max_model_len=80)
+    s = scheduler(a, prefill_first=prefill_first, max_num_batched_tokens=32, max_model_len=80)
     assert plan(s) == {a.seq_id: 32}
     assert plan(s) == {a.seq_id: 32}
     assert step(s) == ({a.seq_id: 16}, [a])
     assert a.num_completion_tokens == 1 and a.finish_reason == "length"
 
 
-def test_mixed_step_decodes_while_prompts_prefill(tiny_model):
+def test_mixed_step_decodes_while_prompts_prefill(scheduler):
     a, b, c = Sequence([9] * 4), Sequence([9] * 40), Sequence([8] * 10)
-    s = make_scheduler(tiny_model, a, prefill_first=False, max_num_batched_tokens=32, num_kvcache_blocks=64)
+    s = scheduler(a, prefill_first=False, max_num_batched_tokens=32)
     assert plan(s) == {a.seq_id: 4}
     s.add(b)
     s.add(c)
@@ -74,16 +78,16 @@ def test_mixed_step_decodes_while_prompts_prefill(tiny_model):
     assert a.num_completion_tokens == 4 and b.num_completion_tokens == 2 and c.num_completion_tokens == 2
 
 
-def test_max_num_seqs_limits_running(tiny_model):
-    s = make_scheduler(tiny_model, *(Sequence([9] * 4) for _ in range(3)), max_num_seqs=2, num_kvcache_blocks=64)
+def test_max_num_seqs_limits_running(scheduler):
+    s = scheduler(*(Sequence([9] * 4) for _ in range(3)), max_num_seqs=2)
     assert len(plan(s)) == 2 and len(s.waiting) == 1
 
 
 @pytest.mark.parametrize("prefill_first", [True, False])
-def test_preemption_when_blocks_run_out(tiny_model, prefill_first):
+def test_preemption_when_blocks_run_out(scheduler, prefill_first):
     params = SamplingParams(max_tokens=10, ignore_eos=True)  # a fits in two blocks
     a, b, c = Sequence([9] * 16, params), Sequence([8] * 16, params), Sequence([7] * 16, params)
-    s = make_scheduler(tiny_model, a, b, c, prefill_first=prefill_first, num_kvcache_blocks=2, max_model_len=48)
+    s = scheduler(a, b, c, prefill_first=prefill_first, num_kvcache_blocks=2, max_model_len=48)
     assert plan(s) == {a.seq_id: 16, b.seq_id: 16}  # c waits: no block left
     assert plan(s) == {a.seq_id: 1}  # a's decode needs a second block: the newest, b, is preempted
     assert b.status == SequenceStatus.WAITING and b.block_table == [] and s.num_preemptions == 1
@@ -95,17 +99,17 @@ def test_preemption_when_blocks_run_out(tiny_model, prefill_first):
 
 
 @pytest.mark.parametrize("params, tokens, reason, length, max_model_len", [
-    (SamplingParams(max_tokens=3), [5, 5, 5, 5], "length", 3, 4096),
-    (SamplingParams(max_tokens=10), [5, EOS, 5], "stop", 2, 4096),
-    (SamplingParams(max_tokens=3, ignore_eos=True), [EOS, EOS, EOS, EOS], "length", 3, 4096),
-    (SamplingParams(max_tokens=100), [5, 5, 5], "length", 2, 6),  # at max_model_len: 4 + 2 tokens
-    (SamplingParams(max_tokens=2), [5, EOS], "length", 2, 4096),  # the length first, as vLLM v1
-    (SamplingParams(max_tokens=100, stop_token_ids=[7]), [5, 7], "length", 2, 6),
-    (SamplingParams(max_tokens=10, min_tokens=2), [EOS, EOS, 5], "stop", 2, 4096),  # EOS counts from min_tokens
+    (dict(max_tokens=3), [5, 5, 5, 5], "length", 3, 4096),
+    (dict(max_tokens=10), [5, EOS, 5], "stop", 2, 4096),
+    (dict(max_tokens=3, ignore_eos=True), [EOS, EOS, EOS, EOS], "length", 3, 4096),
+    (dict(max_tokens=100), [5, 5, 5], "length", 2, 6),  # at max_model_len: 4 + 2 tokens
+    (dict(max_tokens=2), [5, EOS], "length", 2, 4096),  # the length first, as vLLM v1
+    (dict(max_tokens=100, stop_token_ids=[7]), [5, 7], "length", 2, 6),
+    (dict(max_tokens=10, min_tokens=2), [EOS, EOS, 5], "stop", 2, 4096),  # EOS counts from min_tokens
 ])
-def test_finish_conditions(tiny_model, params, tokens, reason, length, max_model_len):
-    seq = Sequence([9] * 4, params)
-    s = make_scheduler(tiny_model, seq, num_kvcache_blocks=8, max_model_len=max_model_len)
+def test_finish_conditions(scheduler, params, tokens, reason, length, max_model_len):
+    seq = Sequence([9] * 4, SamplingParams(**params))
+    s = scheduler(seq, max_model_len=max_model_len)
     for token in tokens:
         _, finished = step(s, token)
         if finished:
@@ -124,9 +128,9 @@ def launch(s: Scheduler) -> tuple:
     return seqs, sampled, filled
 
 
-def test_a_preempted_sequence_waits_for_its_pending_token(tiny_model):
+def test_a_preempted_sequence_waits_for_its_pending_token(scheduler):
     a = Sequence([9] * 10, SamplingParams(max_tokens=5, ignore_eos=True))
-    s = make_scheduler(tiny_model, a, prefill_first=False, num_kvcache_blocks=8)
+    s = scheduler(a, prefill_first=False)
     _, sampled, filled = launch(s)
     assert a.is_pending
     s.running.remove(a)
@@ -136,13 +140,13 @@ def test_a_preempted_sequence_waits_for_its_pending_token(tiny_model):
     assert s.schedule() == [a] and a.num_scheduled_tokens == 11
 
 
-def forty_tokens_in_chunks_of_32(tiny_model) -> tuple[Sequence, Scheduler]:
+def forty_tokens_in_chunks_of_32(scheduler) -> tuple[Sequence, Scheduler]:
     a = Sequence(list(range(3, 43)), SamplingParams(max_tokens=5, ignore_eos=True))
-    return a, make_scheduler(tiny_model, a, prefill_first=False, num_kvcache_blocks=8, max_num_batched_tokens=32)
+    return a, scheduler(a, prefill_first=False, max_num_batched_tokens=32)
 
 
-def test_a_step_hashes_only_the_blocks_it_filled(tiny_model):
-    a, s = forty_tokens_in_chunks_of_32(tiny_model)
+def test_a_step_hashes_only_the_blocks_it_filled(scheduler):
+    a, s = forty_tokens_in_chunks_of_32(scheduler)
     _, sampled, filled = launch(s)  # the first 32 tokens of the prompt: two blocks
     s.running.remove(a)
     s._preempt(a)
@@ -153,44 +157,44 @@ def test_a_step_hashes_only_the_blocks_it_filled(tiny_model):
     assert s.block_manager.hash_to_block_id == {}
 
 
-def test_a_decode_step_keeps_to_the_token_budget(tiny_model):
+def test_a_decode_step_keeps_to_the_token_budget(scheduler):
     seqs = [Sequence([9] * 4) for _ in range(3)]
-    s = make_scheduler(tiny_model, *seqs, num_kvcache_blocks=16, max_num_batched_tokens=8)
+    s = scheduler(*seqs, num_kvcache_blocks=16, max_num_batched_tokens=8)
     assert plan(s) == {seqs[0].seq_id: 4, seqs[1].seq_id: 4}  # the third prompt does not fit the budget
     assert plan(s) == {seqs[2].seq_id: 4}
     s.max_num_batched_tokens = 2
     assert len(plan(s)) == 2  # three sequences decode, two at a time
 
 
-def test_a_sequence_whose_pending_token_ends_it_holds_back_no_other(tiny_model):
+def test_a_sequence_whose_pending_token_ends_it_holds_back_no_other(scheduler):
     a, b = Sequence([9] * 4, SamplingParams(max_tokens=1)), Sequence([8] * 4, SamplingParams(max_tokens=5))
-    s = make_scheduler(tiny_model, a, b, prefill_first=False, num_kvcache_blocks=8)
+    s = scheduler(a, b, prefill_first=False)
     launch(s)
     assert s.schedule() == [b] and b.num_scheduled_tokens == 1
 
 
 @pytest.mark.parametrize("params, token, stop_reason", [
-    (SamplingParams(max_tokens=10), EOS, None),
-    (SamplingParams(max_tokens=10, stop_token_ids=[7]), 7, 7),
-    (SamplingParams(max_tokens=10, stop_token_ids=[EOS]), EOS, None),  # EOS is checked first
-    (SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[EOS]), EOS, EOS),  # not ignored as a stop token
+    ({}, EOS, None),
+    (dict(stop_token_ids=[7]), 7, 7),
+    (dict(stop_token_ids=[EOS]), EOS, None),  # EOS is checked first
+    (dict(ignore_eos=True, stop_token_ids=[EOS]), EOS, EOS),  # not ignored as a stop token
 ])
-def test_stop_reason_is_none_for_eos_and_the_token_for_a_stop_token(tiny_model, params, token, stop_reason):
+def test_stop_reason_is_none_for_eos_and_the_token_for_a_stop_token(scheduler, params, token, stop_reason):
     """As vLLM's."""
-    seq = Sequence([9] * 4, params)
-    s = make_scheduler(tiny_model, seq, num_kvcache_blocks=8)
+    seq = Sequence([9] * 4, SamplingParams(max_tokens=10, **params))
+    s = scheduler(seq)
     _, finished = step(s, token)
     assert finished == [seq] and seq.finish_reason == "stop" and seq.stop_reason == stop_reason
 
 
-def test_a_stop_token_waits_for_min_tokens(tiny_model):
+def test_a_stop_token_waits_for_min_tokens(scheduler):
     seq = Sequence([9] * 4, SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[7]))
-    s = make_scheduler(tiny_model, seq, num_kvcache_blocks=8)
+    s = scheduler(seq)
     assert step(s, 7)[1] == [] and step(s, 7)[1] == [seq] and seq.num_completion_tokens == 2
 
 
-def test_a_step_hashes_every_block_it_filled(tiny_model):
-    a, s = forty_tokens_in_chunks_of_32(tiny_model)
+def test_a_step_hashes_every_block_it_filled(scheduler):
+    a, s = forty_tokens_in_chunks_of_32(scheduler)
     step(s)  # blocks 0 and 1
     step(s)  # the rest of the prompt: no full block
     assert [s.block_manager.blocks[b].hash != -1 for b in a.block_table] == [True, True, False]

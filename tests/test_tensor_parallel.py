@@ -27,10 +27,11 @@ from nanovllm.utils.random_checkpoint import make_random_checkpoint
 from tests import test_models
 from tests.conftest import (ROOT, assert_greedy_matches_hf, built_on_ranks, greedy, in_background, in_processes,
                             kill_the_worker_as_rank_0_sizes_its_cache, kill_worker_while_decoding, raising,
-                            shm_segments, within)
+                            shm_segments, wait_until, within)
 
 LLM = functools.partial(nanovllm.LLM, device="cpu")  # gloo, on GPU machines too (see test_gpu_*)
-TP2 = functools.partial(LLM, kvcache_block_size=16, tensor_parallel_size=2)
+TP1 = functools.partial(LLM, kvcache_block_size=16)
+TP2 = functools.partial(TP1, tensor_parallel_size=2)
 
 GREEDY = greedy(10)
 PROMPTS = [[7] * 3, list(range(3, 60)), list(range(100, 230)), list(range(3, 60)) + [9, 9]]
@@ -55,7 +56,7 @@ def assert_matches_hf(hf, outputs: list[dict]):
 
 
 def tp1_ids(model: str) -> list[list[int]]:
-    with LLM(model, kvcache_block_size=16) as llm:
+    with TP1(model) as llm:
         return ids(generate(llm))
 
 
@@ -67,7 +68,7 @@ def assert_a_new_engine_serves(model: str):
 @pytest.fixture(scope="class")
 def engines(tiny_model):
     # closed before the module's other TP engines start (one a process)
-    with LLM(tiny_model, kvcache_block_size=16) as tp1, TP2(tiny_model, max_num_batched_tokens=64) as tp2:
+    with TP1(tiny_model) as tp1, TP2(tiny_model, max_num_batched_tokens=64) as tp2:
         assert len(tp2.processes) == 1 and shm_segments()
         yield tp1, tp2
     assert shm_segments() == []
@@ -180,13 +181,15 @@ def test_vocab_parallel_embedding_looks_each_id_up_on_one_rank(monkeypatch):
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated_to_the_ranks_that_read_them(monkeypatch):
-    def ranks_of(tp, **layer_args):
-        return built_on_ranks(monkeypatch, linear, tp, lambda: linear.QKVParallelLinear(hidden_size=3, **layer_args))
-
     head_dim, num_heads, num_kv_heads, tp = 2, 8, 2, 4
+
+    def ranks_of(tp, num_heads):
+        return built_on_ranks(monkeypatch, linear, tp,
+                              lambda: linear.QKVParallelLinear(3, head_dim, num_heads, num_kv_heads))
+
     weights = {name: torch.arange(heads * head_dim, dtype=torch.float32)[:, None].repeat(1, 3) + 100 * i
                for i, (name, heads) in enumerate((("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads)))}
-    for rank, layer in enumerate(ranks_of(tp, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)):
+    for rank, layer in enumerate(ranks_of(tp, num_heads)):
         assert (layer.num_heads, layer.num_kv_heads) == (2, 1)
         for name in "qkv":
             layer.weight_loader(layer.weight, weights[name], name)
@@ -196,7 +199,7 @@ def test_fewer_kv_heads_than_ranks_are_replicated_to_the_ranks_that_read_them(mo
         assert k.tolist() == [100 + kv_head * head_dim + d for d in range(head_dim)]
         assert v.tolist() == [200 + kv_head * head_dim + d for d in range(head_dim)]
     with pytest.raises(ValueError, match="num_key_value_heads=2 neither divides by tensor_parallel_size=3"):
-        ranks_of(3, head_dim=2, num_heads=6, num_kv_heads=2)
+        ranks_of(3, num_heads=6)
 
 
 def test_message_buffer_grows(tiny_model, monkeypatch):
@@ -293,15 +296,11 @@ def test_a_post_to_a_worker_killed_while_it_waits_does_not_block(monkeypatch):
     channel.close()
 
 
-def fails_where_unpickled():
-    raise RuntimeError("out of memory on the worker")
-
-
 class FailsOnTheWorker:
     """Raises as the worker reads it."""
 
     def __reduce__(self):
-        return fails_where_unpickled, ()
+        return exec, ("raise RuntimeError('out of memory on the worker')",)
 
 
 def test_worker_error_is_kept_for_later_calls_and_a_closed_pipe_is_none():
@@ -386,14 +385,9 @@ def kill_the_new_worker(monkeypatch):
     before = set(mp.active_children())
 
     def kill():
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if new := [p for p in mp.active_children() if p not in before]:
-                os.kill(new[0].pid, signal.SIGKILL)
-                return
-            time.sleep(0.01)
-
-    threading.Thread(target=kill, daemon=True).start()
+        wait_until(lambda: set(mp.active_children()) - before)
+        os.kill((set(mp.active_children()) - before).pop().pid, signal.SIGKILL)
+    in_background(kill)
 
 
 @pytest.mark.parametrize("kill, seconds", [(kill_the_new_worker, 30), (kill_the_worker_as_rank_0_sizes_its_cache, 60)])
@@ -412,7 +406,7 @@ def test_beside_a_tp_engine_a_second_is_refused_and_a_tp1_one_runs_apart(tiny_mo
         with pytest.raises(RuntimeError, match="another engine"):
             LLM(tiny_model, tensor_parallel_size=2)
         # its layers took the group's rank and size (half of each, collectives nobody answered: a hang)
-        with LLM(tiny_model, kvcache_block_size=16) as tp1:
+        with TP1(tiny_model) as tp1:
             assert ids(within(60, generate, tp1)) == ids(within(60, generate, tp2))
         monkeypatch.setattr(ModelRunner, "allocate_kv_cache", raising(ValueError("injected")))
         with pytest.raises(ValueError, match="injected"):  # closed or failing to start, it leaves the group
@@ -487,7 +481,7 @@ def step_held_on_rank_0(llm: LLM) -> tuple[threading.Thread, dict, threading.Eve
 @pytest.mark.parametrize("tp", [1, 2])
 def test_close_waits_for_a_step_that_a_caller_runs_in_another_thread(tiny_model, tp):
     # a second close() meanwhile waits too
-    llm = LLM(tiny_model, kvcache_block_size=16, tensor_parallel_size=tp)
+    llm = TP1(tiny_model, tensor_parallel_size=tp)
     stepping, stepped, release = step_held_on_rank_0(llm)
 
     def close_and_look():
