@@ -23,12 +23,9 @@ CONTEXT_TOKENS = 4  # the prompt's last tokens, which a completion is decoded af
 
 def completion_text(decode: Callable[[list[int], bool], str], context: list[int], token_ids: list[int],
                     skip_special_tokens: bool) -> str:
-    """The text of `token_ids` after `context` (the prompt's last CONTEXT_TOKENS), which the pieces of an
-    `IncrementalDetokenizer` concatenate to.
-
-    Decoded after the prompt, as vLLM does: a decode treats its first token specially (a
-    SentencePiece tokenizer drops a word's leading space there), which the completion's first token must not
-    see: after "The capital is" the text is " Paris", as the prompt's text and the completion's join up."""
+    """The text of `token_ids` after `context` (the prompt's last tokens), as vLLM decodes it: a decode's first
+    token loses a SentencePiece word's leading space, which a completion must keep (" Paris" after "The capital
+    is"). The pieces of an `IncrementalDetokenizer` concatenate to it."""
     return decode(context + token_ids, skip_special_tokens)[len(decode(context, skip_special_tokens)):]
 
 

@@ -40,7 +40,7 @@ class RequestHandle:
         self.seq = seq
         params = seq.params
         self._stream = stream  # False: nobody reads increments before the end, so none are made
-        # the completion's text is decoded after the prompt's last tokens (detokenizer.completion_text says why)
+        # (see completion_text)
         self._context = seq.token_ids[max(seq.num_prompt_tokens - CONTEXT_TOKENS, 0):seq.num_prompt_tokens]
         self._detokenizer = (IncrementalDetokenizer(tokenizer, tokenizer_lock, params.skip_special_tokens,
                                                     self._context) if stream or params.stop else None)
