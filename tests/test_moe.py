@@ -216,7 +216,7 @@ def test_fused_kernels_interpreted():
 
 
 def test_fused_kernels_compile_for_sm90():
-    """The interpreter does not type-check: Qwen3-30B-A3B's alignment, gate/up GEMM (decode) and down GEMM (prefill)."""
+    """Qwen3-30B-A3B's alignment, gate/up GEMM (decode) and down GEMM (prefill)."""
     pytest.importorskip("triton")
     from nanovllm.layers import triton_moe
     experts, top_k, m = 128, 8, "nanovllm.layers.triton_moe"

@@ -13,7 +13,7 @@ from nanovllm import LLM
 from nanovllm.layers.attention import (FP8_DTYPE, VALUE_CHUNK, TorchBackend, quantize_kv, value_chunk,
                                       value_slots, values_as_cache)
 from tests.conftest import assert_greedy_matches_hf, compile_for_sm90, greedy
-from tests.test_gpu_attention import CASES, make_meta, random_block_tables
+from tests.test_gpu_attention import CASES, make_meta, random_block_tables, split_kv
 
 triton_attention = pytest.importorskip("nanovllm.layers.triton_attention")
 if triton_attention.triton is None:
@@ -49,7 +49,7 @@ def make_case(query_lens, context_lens, num_heads=4, num_kv_heads=2, head_dim=64
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen) * q_gain
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
-    k, v = qkv[:, num_heads * head_dim:].view(num_tokens, 2, num_kv_heads, head_dim).unbind(1)
+    k, v = split_kv(qkv, num_heads, num_kv_heads, head_dim)
     return q, k, v, caches, meta
 
 
@@ -533,39 +533,41 @@ def test_triton_store_matches_torch(kv_fp8, block_size):
         assert_stored_as(got, want)
 
 
+def h200_splits(batch, heads=8, *args, **kw):
+    return triton_attention.decode_splits(batch, heads, SMS, *args, **kw)
+
+
 def test_decode_splits_fill_the_gpu():
-    splits = triton_attention.decode_splits
-    assert splits(256, 8, SMS) == 1  # 2048 programs: plenty
-    assert splits(1, 8, SMS) == triton_attention.MAX_SPLITS
+    assert h200_splits(256) == 1  # 2048 programs: plenty
+    assert h200_splits(1) == triton_attention.MAX_SPLITS
     for batch in (1, 2, 8, 16, 32):
-        n = splits(batch, 8, SMS)
+        n = h200_splits(batch)
         assert SMS <= batch * 8 * n <= 4 * SMS and n <= triton_attention.MAX_SPLITS
 
 
 def test_decode_splits_of_short_contexts():
     """At most the power of two >= max_context / MIN_SPLIT_TOKENS splits, up to SHORT_CONTEXT_SPLITS."""
-    splits = triton_attention.decode_splits
     assert (triton_attention.MIN_SPLIT_TOKENS, triton_attention.SHORT_CONTEXT_SPLITS) == (128, 16)
-    assert splits(8, 8, SMS) == 8
-    assert [splits(8, 8, SMS, max_context=c) for c in (1, 128, 129, 256, 300, 512, 513, 1024, 4096, 0)] == \
+    assert h200_splits(8) == 8
+    assert [h200_splits(8, max_context=c) for c in (1, 128, 129, 256, 300, 512, 513, 1024, 4096, 0)] == \
         [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
-    assert splits(1, 8, SMS) == 64
-    assert [splits(1, 8, SMS, max_context=c) for c in (2048, 2049, 8192)] == [16, 64, 64]
-    assert splits(16, 8, SMS, 1, max_context=300) == 4 < splits(16, 8, SMS, 1) == 6  # (FP8: 6 splits)
-    assert splits(256, 8, SMS, max_context=100) == 1
+    assert h200_splits(1) == 64
+    assert [h200_splits(1, max_context=c) for c in (2048, 2049, 8192)] == [16, 64, 64]
+    assert h200_splits(16, 8, 1, max_context=300) == 4 < h200_splits(16, 8, 1) == 6  # (FP8: 6 splits)
+    assert h200_splits(256, max_context=100) == 1
 
 
 def test_decode_context_bounds_are_where_the_splits_fall():
     """A graph's bounds: MIN_SPLIT_TOKENS x powers of two below the batch's splits."""
-    bounds = triton_attention.decode_context_bounds
-    assert bounds(1, 8, SMS) == [128, 256, 512, 1024, 2048]
-    assert bounds(8, 8, SMS) == [128, 256, 512]
-    assert bounds(24, 8, SMS) == [128] and bounds(32, 8, SMS, 1) == [128, 256]  # (2 splits; FP8 at 32: 3)
-    assert bounds(32, 8, SMS) == bounds(256, 8, SMS) == []
+    def bounds(batch, *args):
+        return triton_attention.decode_context_bounds(batch, 8, SMS, *args)
+    assert bounds(1) == [128, 256, 512, 1024, 2048]
+    assert bounds(8) == [128, 256, 512]
+    assert bounds(24) == [128] and bounds(32, 1) == [128, 256]  # (2 splits; FP8 at 32: 3)
+    assert bounds(32) == bounds(256) == []
     for batch in (1, 2, 4, 8, 16, 32):
-        counts = [triton_attention.decode_splits(batch, 8, SMS, max_context=b)
-                  for b in (*bounds(batch, 8, SMS), 1 << 20)]
-        assert counts == sorted(set(counts)) and counts[-1] == triton_attention.decode_splits(batch, 8, SMS)
+        counts = [h200_splits(batch, max_context=b) for b in (*bounds(batch), 1 << 20)]
+        assert counts == sorted(set(counts)) and counts[-1] == h200_splits(batch)
 
 
 def test_decode_of_short_contexts_needs_no_merge(merge_launches):
@@ -592,25 +594,19 @@ def test_steps_tell_the_decode_kernel_their_longest_context(monkeypatch):
 @pytest.mark.parametrize("itemsize", [2, 1])
 def test_decode_splits_only_below_their_programs_per_sm(itemsize):
     """SPLIT_BELOW_PROGRAMS_PER_SM programs an SM, rounded up, fill the GPU; one program fewer splits, in 2 at least."""
-    splits = triton_attention.decode_splits
     full = math.ceil(triton_attention.SPLIT_BELOW_PROGRAMS_PER_SM[itemsize] * SMS)
-    assert splits(-(-full // 4), 4, SMS, itemsize) == splits(full, 1, SMS, itemsize) == 1
-    assert splits(full - 1, 1, SMS, itemsize) >= 2
+    assert h200_splits(-(-full // 4), 4, itemsize) == h200_splits(full, 1, itemsize) == 1
+    assert h200_splits(full - 1, 1, itemsize) >= 2
     if itemsize == 2:
-        assert splits(32, 8, SMS) == 1 < splits(29, 8, SMS)
+        assert h200_splits(32) == 1 < h200_splits(29)
 
 
 def test_fp8_decode_splits_fill_an_sm_of_its_programs():
     """Over FP8 a split batch aims at 6 programs an SM, over bf16 or float32 at 4."""
-    splits = triton_attention.decode_splits
-    assert splits(48, 8, SMS, 1) == 2
-    assert splits(48, 8, SMS, 2) == 1
-    assert splits(48, 8, SMS, 4) == 1
-    assert splits(24, 8, SMS, 1) == 4
-    assert splits(32, 8, SMS, 1) == 3
-    assert splits(32, 8, SMS, 2) == splits(32, 8, SMS, 4) == 1
+    batches = ((48, 1), (48, 2), (48, 4), (24, 1), (32, 1), (32, 2), (32, 4))  # (batch, itemsize)
+    assert [h200_splits(batch, 8, itemsize) for batch, itemsize in batches] == [2, 1, 1, 4, 3, 1, 1]
     for batch in (2, 8, 16, 24, 32, 40):
-        n = splits(batch, 8, SMS, 1)
+        n = h200_splits(batch, 8, 1)
         assert 4 * SMS < batch * 8 * n <= 6 * SMS and n <= triton_attention.MAX_SPLITS
 
 
@@ -682,7 +678,7 @@ def attention_case(cache: str, decode: bool, paged: bool = True, split: bool = F
 
 
 def test_kernels_compile_for_sm90():
-    """The interpreter does not type-check as the compiler does: attention, merges and KV store."""
+    """Attention, merges and KV store."""
     deep = triton_attention.FP8_DEEP_PROGRAMS_PER_SM
     cases = [attention_case("bf16", decode=True, split=True), attention_case("bf16", decode=True),
              attention_case("fp8e4nv", decode=True), attention_case("fp8e4nv", decode=True, programs_per_sm=deep),
@@ -693,7 +689,7 @@ def test_kernels_compile_for_sm90():
     merge = dict(partial_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", context_lens_ptr="*i32",
                  cu_seqlens_q_ptr="*fp32", num_splits="i32", min_split_tokens="i32")  # (lse for the unused one)
     for signature, splits_pad, splits, varlen, options in [  # batch 1's; batch 8's, one dim a thread; a graph's
-            (merge, triton_attention.decode_splits(1, 8, 132), 0, False, ()),
+            (merge, h200_splits(1), 0, False, ()),
             (merge, 16, 8, False, (dict(num_warps=4),)),
             ({**merge, "cu_seqlens_q_ptr": "*i32"}, 16, triton_attention.VARLEN_DECODE_SPLITS, True,
              (dict(num_warps=4),))]:

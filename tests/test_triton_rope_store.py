@@ -9,15 +9,8 @@ from nanovllm.layers.attention import FP8_DTYPE, VALUE_CHUNK, Attention, TorchBa
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from tests.conftest import compile_for_sm90
-from nanovllm.layers import triton_kvstore
-from tests.test_triton_attention import assert_stored_as
-
-triton_rope_store = pytest.importorskip("nanovllm.layers.triton_rope_store")
-if triton_rope_store.triton is None:
-    pytest.skip("Triton does not import here", allow_module_level=True)
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+from tests.test_triton_attention import DEVICE, DTYPES, assert_stored_as  # (skips this module without Triton)
+from nanovllm.layers import triton_kvstore, triton_rope_store
 
 
 def unfused(q, k, v, positions, rope, norms, caches, slots, *scales):
@@ -33,14 +26,25 @@ def fused(q, k, v, positions, rope, norms, caches, slots, *scales):
     return triton_rope_store.rope_store(q, k, v, positions, rope.cos_sin_cache, *weights, 1e-6, *caches, slots, *scales)
 
 
+def rope_table(head_dim):
+    return RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)), 4096).to(DEVICE)
+
+
+def assert_caches(caches, expected_caches, fp8, atol, rtol):
+    for cache, want in zip(caches, expected_caches):  # including the slots left alone (-1, and the rest)
+        if fp8 and DEVICE.type == "cpu":
+            assert_stored_as(cache, want)
+        else:  # a 1e-7 difference may tip an FP8 value one step (1/8) away
+            torch.testing.assert_close(cache.float(), want.float(), atol=atol, rtol=0.13 if fp8 else rtol)
+
+
 def case(seed, dtype, num_heads, num_kv_heads, head_dim, qk_norm, fp8, num_tokens=7, block_size=16, num_blocks=6):
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = (torch.randn(num_tokens, width + 8, generator=gen) * 2).to(dtype).to(DEVICE)[:, 4:4 + width]  # strided
     q, k, v = qkv.unflatten(-1, (-1, head_dim)).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    rope = RotaryEmbedding(inv_freq, 4096).to(DEVICE)
+    rope = rope_table(head_dim)
     norms = [None, None]
     if qk_norm:
         norms = [RMSNorm(head_dim, eps=1e-6).to(DEVICE, dtype) for _ in range(2)]
@@ -77,11 +81,7 @@ def test_fused_equals_unfused(seed, dtype):
     atol = 1e-5 if dtype == torch.float32 else 1e-6
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=tol)
-    for cache, want in zip(caches, expected_caches):  # including the slots left alone (-1, and the rest)
-        if fp8 and DEVICE.type == "cpu":
-            assert_stored_as(cache, want)
-        else:  # a 1e-7 difference may tip an FP8 value one step (1/8) away
-            torch.testing.assert_close(cache.float(), want.float(), atol=atol, rtol=0.13 if fp8 else tol)
+    assert_caches(caches, expected_caches, fp8, atol, tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16] + DTYPES[1:])
@@ -144,7 +144,7 @@ def test_the_fused_store_waits_for_a_cache_and_a_backend_that_can(tiny_model, mo
 
 
 def test_compiles_for_sm90():
-    """The interpreter does not type-check: Qwen3-0.6B's heads with norms; 14 over 2 heads into an FP8 cache."""
+    """Qwen3-0.6B's heads with norms; 14 over 2 heads into an FP8 cache."""
     cases = []
     for qk_norm, fp8, num_heads, num_kv_heads in [(True, False, 16, 8), (False, True, 14, 2)]:
         cache, weights = "fp8e4nv" if fp8 else "bf16", "bf16" if qk_norm else "fp32"  # else cos_sin stands in

@@ -1,13 +1,16 @@
 """`triton_skinny` (fused norm, gate, residual) against the unfused layers in float64: rows 1-32, K in parts or not,
 ragged N and K; float32 in the interpreter, bf16 on a GPU. Then the layers and models whose decode steps use it."""
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 
+from nanovllm import LLM
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
 from tests.conftest import assert_greedy_matches_hf, compile_for_sm90, greedy
-from tests.test_models import FAMILIES, check_against_hf, family_checkpoint
+from tests.test_models import FAMILIES, check_against_hf, family_checkpoint, hf_model
 
 triton_skinny = pytest.importorskip("nanovllm.layers.triton_skinny")
 if triton_skinny.triton is None:
@@ -17,7 +20,9 @@ from nanovllm.layers import linear  # noqa: E402
 from nanovllm.layers.activation import GeluAndMul, SiluAndMul  # noqa: E402
 from nanovllm.layers.attention import FP8_DTYPE, VALUE_CHUNK, TorchBackend  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
-from tests.test_triton_attention import CPU_ONLY, DEVICE, assert_stored_as  # noqa: E402
+from nanovllm.layers.triton_rope_store import rope_store  # noqa: E402
+from tests.test_triton_attention import CPU_ONLY, DEVICE  # noqa: E402
+from tests.test_triton_rope_store import assert_caches, case, rope_table, unfused  # noqa: E402
 
 EPS = 1e-6
 
@@ -32,7 +37,6 @@ def normed(x, norm_weight=None):
 
 
 def reference(x, w, b=None, norm_weight=None, gated=False, residual=None):
-    """The unfused layers in float64: RMSNorm, the product and bias, silu(gate) * up, the residual."""
     y = normed(x, norm_weight) @ w.double().T + (b.double() if b is not None else 0)
     if gated:
         gate, up = y.chunk(2, -1)
@@ -111,8 +115,6 @@ def test_the_plans_tiles_match_the_unfused_layers(m):
 @pytest.mark.parametrize("seed", range(6))
 def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
     """Rope and KV store in the epilogue: GQA, biases, norms, FP8 caches (chunked too), K in parts or not."""
-    import random
-    from tests.test_triton_rope_store import case, unfused
     rng = random.Random(seed)
     num_kv_heads, head_dim = rng.choice([1, 2]), rng.choice([32, 64])
     num_heads = num_kv_heads * rng.choice([1, 2, 3])
@@ -135,24 +137,18 @@ def test_qkv_with_rope_and_store_matches_the_unfused_layers(seed):
         out = fused(x, w, b, norm_weight, rope=args, config=(head_dim // 2, block_k, 4))
         torch.testing.assert_close(out[:, :q_size].reshape(m, num_heads, head_dim), expected_q, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out[:, q_size:], qkv[:, q_size:], atol=1e-4, rtol=1e-4)
-        for cache, want in zip(caches, expected_caches):  # the padding slot (-1) stores nothing
-            if fp8 and DEVICE.type == "cpu":
-                assert_stored_as(cache, want)
-            else:  # an FP8 value that a 1e-7 difference tips to its neighbour: one FP8 step (1/8) away
-                torch.testing.assert_close(cache.float(), want.float(), atol=1e-4, rtol=0.13 if fp8 else 1e-4)
+        assert_caches(caches, expected_caches, fp8, 1e-4, 1e-4)  # the padding slot (-1) stores nothing
     assert not triton_skinny._counters[out.device].any()
 
 
 def integer_qkv(m, num_heads, num_kv_heads, head_dim, bound, gen, k=64, dtype=torch.float16):
     """Integer x, w in [-bound, bound] (exact float32 sums), rounded once to `dtype` as q, k, v; a rope table."""
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     x = torch.randint(-bound, bound + 1, (m, k), generator=gen).to(dtype)
     w = torch.randint(-bound, bound + 1, (q_size + 2 * kv_size, k), generator=gen).to(dtype)
     qkv = (x.double() @ w.double().T).to(dtype)
     heads = tuple(t.view(m, -1, head_dim).to(DEVICE) for t in qkv.split([q_size, kv_size, kv_size], -1))
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    return x, w, qkv, heads, RotaryEmbedding(inv_freq, 4096).cos_sin_cache.to(DEVICE)
+    return x, w, qkv, heads, rope_table(head_dim).cos_sin_cache
 
 
 def qk_weights(gen, head_dim, qk_norm, dtype=torch.float16):
@@ -161,7 +157,6 @@ def qk_weights(gen, head_dim, qk_norm, dtype=torch.float16):
 
 def rope_epilogue(x, w, heads, positions, cos_sin, weights, caches, slots, scales, block_k):
     """The skinny product with rope and store in its epilogue, and `rope_store`'s q and caches on the same heads."""
-    from nanovllm.layers.triton_rope_store import rope_store
     want_caches = [c.clone() for c in caches]
     want_q = rope_store(*heads, positions, cos_sin, *weights, 1e-6, *want_caches, slots, *scales)
     args = triton_skinny.RopeStoreArgs(positions, cos_sin, *weights, 1e-6, *caches, slots, *scales)
@@ -203,7 +198,6 @@ def test_qkv_with_rope_rounds_fp8_keys_as_the_fused_store(qk_norm):
 
 
 def enable(monkeypatch, pdl, **values):
-    """The skinny path on, on this device, with dependent launches or not, `values` set."""
     values = dict(ENABLED=True, DEVICE_TYPE=DEVICE.type, pdl_launch=lambda device: pdl, **values)
     for name, value in values.items():
         monkeypatch.setattr(triton_skinny, name, value)
@@ -373,8 +367,6 @@ def test_counters_grow_with_the_blocks():
 
 
 def generate_as_hf(model, hf, prompts, **llm_kw):
-    """Six greedy tokens a prompt, as HF's (teacher-forced)."""
-    from nanovllm import LLM
     with LLM(str(model), kvcache_block_size=16, **llm_kw) as llm:
         outputs = llm.generate(prompts, greedy(6), use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
@@ -400,7 +392,6 @@ def test_other_families_decode_through_it(tmp_path, skinny_calls, family):
 @pytest.mark.parametrize("family", ["tiny", "llama-linear-rope-biases"])
 def test_decode_steps_with_rope_in_the_projection_match_hf(tmp_path, skinny_calls, monkeypatch, family):
     """In decode steps' qkv projection (heads of 32)."""
-    from tests.test_models import hf_model
     monkeypatch.setattr(TorchBackend, "fuses_rope_store", True)
     ropes = spy(monkeypatch, lambda x, kw: kw.get("rope") is not None)
     shape, overrides = FAMILIES.get(family, ("tiny", {}))
