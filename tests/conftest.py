@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nanovllm.utils.random_checkpoint import make_random_checkpoint  # noqa: E402
-from nanovllm import SamplingParams  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # a background job inherits SIGINT ignored; the tests of ^C need Python's handler, as a terminal's run has it
@@ -154,6 +154,11 @@ def raising(error: BaseException):
     def fn(*args, **kwargs):
         raise error
     return fn
+
+
+def refuses(error: type, match: str, model, /, **engine_args):
+    with pytest.raises(error, match=match):
+        LLM(str(model), **engine_args)
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:

@@ -54,12 +54,9 @@ def test_latency_names_its_runs_and_splits_first_tokens_and_device_time():
     assert first_token_parts(results, requests, prompts) == \
         "wait for a step 2.00 / 2.00, schedule and launch 1.00 / 1.00, launch to first token 7.00 / 7.00 (1 requests)"
 
-    class Event:  # a recorded CUDA event, at `t` ms
-        def __init__(self, t):
-            self.t = t
-
+    class Event(float):  # a recorded CUDA event, at this many ms
         def elapsed_time(self, other):
-            return other.t - self.t
+            return other - self
     steps = [(0, 1, False), (1.5, 4.5, True), (4.5, 5.5, False), (6, 7, True)]  # (start, end, prompt tokens)
     assert device_parts([(Event(a), Event(b), prompt) for a, b, prompt in steps]) == (
         "with prompt tokens (2): work 2.00 / 2.80, idle before 0.50 / 0.50; after one (1): work 1.00 / 1.00, "

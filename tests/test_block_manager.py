@@ -9,13 +9,13 @@ def seq(*args) -> Sequence:
     return Sequence(list(range(*args)))
 
 
-def computed(bm: BlockManager, s: Sequence, n: int | None = None):
+def computed(bm, s, n=None):
     """n tokens computed (by default all but the last, as after a prefill); the full blocks hashed."""
     s.num_computed_tokens = s.num_tokens - 1 if n is None else n
     bm.hash_computed_blocks(s, 0)
 
 
-def cached(bm: BlockManager, s: Sequence, n: int | None = None, free: bool = True) -> Sequence:
+def cached(bm, s, n=None, free=True):
     """s allocated and computed, then freed unless free=False: its blocks stay cached."""
     bm.allocate(s)
     computed(bm, s, n)

@@ -68,9 +68,7 @@ PIECES = st.sampled_from([[1, 2], [1, 2, 3], [3], [2, 2, 2, 2], [4, 1]])  # shar
 @given(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(2, 12), data=st.data())
 def test_block_manager_matches_the_reference(block_size, num_blocks, data):
     bm, reference = BlockManager(num_blocks, block_size), ReferenceBlocks(num_blocks, block_size)
-    waiting: list[Sequence] = []
-    first_hits: dict[Sequence, int] = {}
-    running: list[tuple[Sequence, list[int]]] = []  # with the reference's block table
+    waiting, first_hits, running = [], {}, []  # running: (seq, the reference's block table)
     for _ in range(data.draw(st.integers(1, 60))):
         action = data.draw(st.sampled_from(["new", "admit", "step", "free"]))
         if action == "new":

@@ -7,7 +7,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers import triton_guard
-from tests.conftest import greedy
+from tests.conftest import greedy, refuses
 
 GREEDY = greedy(4)
 
@@ -18,20 +18,16 @@ def llm(tiny_model):
 
 
 def test_missing_model_folder(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does-not-exist"):
-        LLM(str(tmp_path / "does-not-exist"))
+    refuses(FileNotFoundError, "does-not-exist", tmp_path / "does-not-exist")
 
 
 def test_unknown_engine_argument_is_named(tiny_model):
-    with pytest.raises(TypeError, match="max_num_seq"):
-        LLM(tiny_model, max_num_seq=4)
+    refuses(TypeError, "max_num_seq", tiny_model, max_num_seq=4)
 
 
 @pytest.mark.parametrize("name, value", [("eos_token_ids", (5,)), ("hf_config", None)])
 def test_fields_the_engine_sets_are_not_engine_arguments(tiny_model, name, value):
-    """Fields the engine fills in are unknown arguments, not overwritten."""
-    with pytest.raises(TypeError, match=f"unknown engine argument\\(s\\) \\['{name}'\\]"):
-        LLM(tiny_model, **{name: value})
+    refuses(TypeError, f"unknown engine argument\\(s\\) \\['{name}'\\]", tiny_model, **{name: value})
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -47,20 +43,17 @@ def test_fields_the_engine_sets_are_not_engine_arguments(tiny_model, name, value
     ({"attention_backend": "nope"}, "attention_backend='nope'"),
 ])
 def test_bad_engine_settings(tiny_model, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        LLM(tiny_model, **kwargs)
+    refuses(ValueError, match, tiny_model, **kwargs)
 
 
 def test_a_bool_is_not_an_int_setting(tiny_model):
-    with pytest.raises(TypeError, match="max_num_seqs=True must be an int"):
-        LLM(tiny_model, max_num_seqs=True)
+    refuses(TypeError, "max_num_seqs=True must be an int", tiny_model, max_num_seqs=True)
 
 
 def test_flash_attn_without_cuda_is_a_clear_error(tiny_model):
     if torch.cuda.is_available():
         pytest.skip("this machine can run flash-attn")
-    with pytest.raises(ValueError, match="attention_backend='flash-attn' needs CUDA"):
-        LLM(tiny_model, attention_backend="flash-attn")
+    refuses(ValueError, "attention_backend='flash-attn' needs CUDA", tiny_model, attention_backend="flash-attn")
 
 
 @pytest.mark.parametrize("kwargs, error", [
@@ -92,8 +85,7 @@ def test_sampling_params_at_the_edges_of_their_ranges_are_taken():
 
 
 def test_max_tokens_none_runs_to_max_model_len(llm):
-    unbounded = greedy(None, min_tokens=100)
-    out = llm.generate([[5, 6, 7]], unbounded, use_tqdm=False)[0]
+    out = llm.generate([[5, 6, 7]], greedy(None, min_tokens=100), use_tqdm=False)[0]
     assert (out["finish_reason"], len(out["token_ids"])) == ("length", 64 - 3)
     with pytest.raises(ValueError, match="stop token id -1 must be >= 0"):
         SamplingParams(stop_token_ids=[7, -1])

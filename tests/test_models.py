@@ -10,7 +10,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from nanovllm import LLM
 from nanovllm.layers.rotary_embedding import rope_inv_freq
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
-from tests.conftest import assert_greedy_matches_hf, greedy
+from tests.conftest import assert_greedy_matches_hf, greedy, refuses
 
 LLAMA3_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
 # up to ~300 positions: past tiny-llama's llama3 original context (256)
@@ -149,8 +149,7 @@ def test_partial_rotary_factor_is_an_error():
 
 def test_mistral_sliding_window(tmp_path):
     path = make_random_checkpoint(tmp_path / "window", "tiny-mistral", sliding_window=320)
-    with pytest.raises(ValueError, match="sliding_window=320 is shorter than max_model_len=4096"):
-        LLM(str(path))
+    refuses(ValueError, "sliding_window=320 is shorter than max_model_len=4096", path)
     # a window no shorter than any sequence is full attention: it runs, as HF
     check_against_hf(path, max_model_len=320)
 
@@ -158,8 +157,7 @@ def test_mistral_sliding_window(tmp_path):
 def test_qwen2_sliding_window_layers(tmp_path):
     path = make_random_checkpoint(tmp_path / "qwen2", "tiny-qwen2", use_sliding_window=True, sliding_window=128,
                                   max_window_layers=1)
-    with pytest.raises(ValueError, match="sliding_window=128 is shorter than max_model_len=1024"):
-        LLM(str(path), max_model_len=1024)
+    refuses(ValueError, "sliding_window=128 is shorter than max_model_len=1024", path, max_model_len=1024)
     # use_sliding_window false (Qwen2.5): no limit
     path = make_random_checkpoint(tmp_path / "off", "tiny-qwen2", use_sliding_window=False, sliding_window=128)
     LLM(str(path), max_model_len=1024).close()
@@ -181,25 +179,20 @@ def test_unknown_rope_type_and_activation_are_errors(tmp_path):
     path = make_random_checkpoint(tmp_path / "m", "tiny-llama")
     rewrite_config(path, rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
                                               original_max_position_embeddings=256))
-    with pytest.raises(ValueError, match=r"rope_type='yarn' is not supported; .*'default', 'linear', 'llama3'"):
-        LLM(str(path))
+    refuses(ValueError, r"rope_type='yarn' is not supported; .*'default', 'linear', 'llama3'", path)
     # transformers 5 refuses this config.json itself; older ones pass it on
     legacy = SimpleNamespace(rope_scaling=dict(type="llama3", factor=8.0), rope_theta=1e4, max_position_embeddings=64)
     with pytest.raises(ValueError, match="rope_type='llama3' needs 'low_freq_factor'"):
         rope_inv_freq(legacy, 16)
     rewrite_config(path, rope_parameters=dict(rope_type="default", rope_theta=10000.0), hidden_act="relu2")
-    with pytest.raises(ValueError, match=r"hidden_act='relu2' is not supported; .*'silu'"):
-        LLM(str(path))
+    refuses(ValueError, r"hidden_act='relu2' is not supported; .*'silu'", path)
     rewrite_config(path, hidden_act="silu", quantization_config=dict(quant_method="fp8", fmt="e4m3"))
-    with pytest.raises(ValueError, match=r"quantized checkpoints \(quantization_config quant_method='fp8'\)"):
-        LLM(str(path))
+    refuses(ValueError, r"quantized checkpoints \(quantization_config quant_method='fp8'\)", path)
     moe = make_random_checkpoint(tmp_path / "moe", "tiny-qwen3-moe")
     rewrite_config(moe, hidden_act="gelu")
-    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported in mixture-of-experts layers"):
-        LLM(str(moe))
+    refuses(ValueError, "hidden_act='gelu' is not supported in mixture-of-experts layers", moe)
     rewrite_config(moe, hidden_act="silu", architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ValueError, match=r"architectures=\['GPT2LMHeadModel'\] is not supported"):
-        LLM(str(moe))
+    refuses(ValueError, r"architectures=\['GPT2LMHeadModel'\] is not supported", moe)
 
 
 @pytest.mark.parametrize("hidden_act", ["silu", "swish", "gelu", "gelu_pytorch_tanh"])

@@ -1,5 +1,5 @@
 import json
-import threading
+import os
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from nanovllm.utils import random_checkpoint as rc
 from nanovllm.utils.random_checkpoint import SHAPES, default_checkpoint, make_random_checkpoint
+from tests.conftest import in_background
 
 
 @pytest.fixture(autouse=True)
@@ -40,26 +41,20 @@ def _weights(path):
     return (path / "model.safetensors").read_bytes()
 
 
-def _names(folder):
-    return sorted(p.name for p in folder.iterdir())
-
-
 def _keys(path):
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         return {k: f.get_slice(k).get_shape() for k in f.keys()}, f.metadata()
 
 
 def test_files_and_config(tiny, tok):
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):
         assert (tiny / name).is_file(), name
     assert not [p for p in tiny.parent.iterdir() if p.name.startswith(".")], "temp dir left behind"
     cfg = _json(tiny)
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
-    for key, value in SHAPES["tiny"].items():
-        if key == "rope_theta":  # transformers 5 stores it inside rope_parameters
-            assert cfg["rope_parameters"]["rope_theta"] == value
-        else:
-            assert cfg[key] == value, key
+    for key, value in SHAPES["tiny"].items():  # transformers 5 stores rope_theta inside rope_parameters
+        assert (cfg["rope_parameters"] if key == "rope_theta" else cfg)[key] == value, key
     assert cfg["eos_token_id"] == cfg["pad_token_id"] == cfg["bos_token_id"] == tok.eos_token_id
     gen = _json(tiny, "generation_config.json")
     assert gen["eos_token_id"] == [tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")]
@@ -117,7 +112,8 @@ def test_seed_determinism(tmp_path):
     assert (a / "tokenizer.json").read_text() == (c / "tokenizer.json").read_text()
 
 
-@pytest.mark.parametrize("text", ["Hello, world! The quick brown fox.", "héllo wörld 你好 🚀", "  tabs\tand\nnewlines\r\n ", ""])
+@pytest.mark.parametrize("text", ["Hello, world! The quick brown fox.", "héllo wörld 你好 🚀", "  tabs\tand\nnewlines\r\n ",
+                                  ""])
 def test_tokenizer_round_trip(tok, text):
     ids = tok.encode(text, add_special_tokens=False)
     assert all(0 <= i < 512 for i in ids)
@@ -146,31 +142,28 @@ def test_chat_template(tok):
 
 def test_default_checkpoint_is_built_once_under_a_race_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path))
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(default_checkpoint("tiny"))) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    path = tmp_path / "random-tiny"
-    assert results == [path] * 3 and rc.is_complete(path)  # no thread failed, all got the one folder
+    runs = [in_background(default_checkpoint, "tiny") for _ in range(3)]
+    for thread, _ in runs:
+        thread.join()
+    path = tmp_path / "random-tiny"  # no thread failed, all got the one folder
+    assert [outcome for _, outcome in runs] == [{"value": path}] * 3 and rc.is_complete(path)
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     assert default_checkpoint() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
-    assert _names(tmp_path) == ["random-tiny"]
+    assert os.listdir(tmp_path) == ["random-tiny"]
     _load(path)
 
 
 def test_lost_race_keeps_winner(tmp_path):
     (tmp_path / "m").mkdir()
     path = make_random_checkpoint(tmp_path / "m", seed=0)  # an existing empty folder is built into
-    assert rc.is_complete(path) and _names(tmp_path) == ["m"]
+    assert rc.is_complete(path) and os.listdir(tmp_path) == ["m"]
     before = _weights(path)
     rc._build(path, "tiny", 1, {}, replace=False)  # as if another process renamed first
     assert _weights(path) == before
     make_random_checkpoint(path, seed=1)  # explicit rebuild into an existing folder replaces it
     assert _weights(path) != before
-    assert _names(tmp_path) == ["m"]
+    assert os.listdir(tmp_path) == ["m"]
 
 
 def test_unknown_shape_and_field(tmp_path, monkeypatch):

@@ -19,8 +19,7 @@ def test_completion_tokens():
 
 
 def test_dropping_a_pending_token_restores_the_sequence():
-    """An abort before the pending token arrives leaves the sequence as it was before the step: its tokens,
-    its length, its last token, and no pending row."""
+    """An abort before the pending token arrives leaves the sequence as it was before the step."""
     seq = Sequence([1, 2, 3], SamplingParams(max_tokens=4))
     assert seq.last_token == 3 and not seq.is_pending
     seq.append_token(7)
@@ -34,8 +33,7 @@ def test_dropping_a_pending_token_restores_the_sequence():
 
 
 def test_blocks_are_whole_slices_of_the_tokens():
-    """Block i holds tokens [i * block_size, (i + 1) * block_size): every token of a full block (the prefix
-    cache hashes and compares exactly these), and the rest in the last one."""
+    """Block i holds tokens [i * 4, (i + 1) * 4), the last one the rest: what the prefix cache hashes and compares."""
     tokens = list(range(100, 111))
     seq = Sequence(tokens)
     assert seq.num_blocks(4) == 3

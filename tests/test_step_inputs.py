@@ -59,7 +59,8 @@ def test_step_inputs_of_a_mixed_batch():
     decode.block_table, decode.num_computed_tokens, decode.num_scheduled_tokens = [0, 9], 5, 1
     last = Sequence(list(range(30, 36)))
     last.block_table, last.num_computed_tokens, last.num_scheduled_tokens = [3, 6], 4, 2
-    inputs = step_inputs([chunk, decode, last], block_size=4)
+    step = partial(step_inputs, block_size=4)
+    inputs = step([chunk, decode, last])
     expected = dict(input_ids=[13, 14, 15, 16, 17, PENDING, 34, 35], positions=[3, 4, 5, 6, 7, 5, 4, 5],
                     slot_mapping=[31, 8, 9, 10, 11, 37, 24, 25], block_tables=[[7, 2, 5], [0, 9, 0], [3, 6, 0]],
                     context_lens=[8, 6, 6], query_lens=[5, 1, 2], cu_seqlens_q=[0, 5, 6, 8], logits_indices=[5, 7],
@@ -67,10 +68,9 @@ def test_step_inputs_of_a_mixed_batch():
     assert {name: getattr(inputs, name).tolist() for name in expected} == expected
     assert not inputs.is_decode and inputs.num_seqs == 3
     assert inputs.num_leading_decodes == 0  # the chunk comes first
-    assert step_inputs([decode, last, decode], block_size=4).num_leading_decodes == 1
-    assert step_inputs([decode, decode, chunk], block_size=4).num_leading_decodes == 2
-    assert step_inputs([decode], block_size=4).is_decode
-    assert step_inputs([decode, decode], block_size=4).num_leading_decodes == 2
+    assert step([decode, last, decode]).num_leading_decodes == 1
+    assert step([decode, decode, chunk]).num_leading_decodes == 2
+    assert step([decode]).is_decode and step([decode, decode]).num_leading_decodes == 2
 
 
 def test_a_step_before_the_cache_exists_writes_no_slot():
@@ -100,8 +100,6 @@ def test_packed_inputs_give_the_same_outputs(tiny_model, engine_args):
 
 
 class EagerGraphs(DecodeGraphs):
-    """DecodeGraphs whose graphs run `_forward` eagerly at replay."""
-
     def _capture(self, bs, bound, pool):
         return SimpleNamespace(replay=partial(self._forward, bs, bound), reset=lambda: None), pool
 
@@ -116,8 +114,7 @@ class GraphMetaBackend(TorchBackend):
         return super().forward(q, k, v, k_cache, v_cache, meta, *args)
 
 
-def as_on_cuda(llm: LLM, graphs: bool, sample_in_graph: bool = True, graphs_up_to: int | None = None,
-               context_bounds=None):
+def as_on_cuda(llm, graphs, sample_in_graph=True, graphs_up_to=None, context_bounds=None):
     """The runner as on CUDA: the sampler's device counter, packed inputs and, if `graphs`, eager decode graphs."""
     runner, config = llm.model_runner, llm.config
     runner.sampler.rng_state = make_rng_state(config.seed, CPU)
@@ -136,18 +133,20 @@ def engine(tiny_model, **engine_args):
     return LLM(tiny_model, device="cpu", kvcache_block_size=16, max_num_seqs=8, **engine_args)
 
 
-def generate(tiny_model, batch, params, graphs: bool, sample_in_graph: bool = True, graphs_up_to: int = 8,
-             **engine_args):
+def eager(tiny_model, batch, params, **engine_args):
     with engine(tiny_model, **engine_args) as llm:
-        as_on_cuda(llm, graphs, sample_in_graph, graphs_up_to)
-        outputs = llm.generate(batch, params, use_tqdm=False)
-        if graphs:
-            assert llm.model_runner.graphs.batch_sizes == [1, 2, 4, 8][:graphs_up_to.bit_length()]
+        return as_on_cuda(llm, graphs=False).generate(batch, params, use_tqdm=False)
+
+
+def same_as_eager(tiny_model, batch, params, sample_in_graph=True, graphs_up_to=8, **engine_args):
+    with engine(tiny_model, **engine_args) as llm:
+        outputs = as_on_cuda(llm, True, sample_in_graph, graphs_up_to).generate(batch, params, use_tqdm=False)
+        assert llm.model_runner.graphs.batch_sizes == [1, 2, 4, 8][:graphs_up_to.bit_length()]
+    same_outputs(outputs, eager(tiny_model, batch, params, **engine_args))
     return outputs
 
 
 def record_replays(llm, record):
-    """Attention backends that call `record(meta)` at each decode step's replay."""
     class Recording(GraphMetaBackend):
         def forward(self, q, k, v, k_cache, v_cache, meta, *args):
             if meta.decode_order is not None:
@@ -164,8 +163,7 @@ def test_graph_replays_equal_eager_steps(tiny_model, sample_in_graph):
     batch = prompts(7, seed=1)
     params = [SamplingParams(temperature=0 if i % 2 else 0.9, max_tokens=6 + 3 * i, ignore_eos=True)
               for i in range(len(batch))]
-    same_outputs(generate(tiny_model, batch, params, graphs=True, sample_in_graph=sample_in_graph),
-                 generate(tiny_model, batch, params, graphs=False))
+    same_as_eager(tiny_model, batch, params, sample_in_graph)
 
 
 @needs_interpreter
@@ -196,7 +194,7 @@ def test_graph_replays_take_the_graph_of_the_smallest_bound_on_their_contexts(ti
         record_replays(llm, lambda meta: seen.append((meta.max_seqlen_k, max(meta.context_lens.tolist()),
                                                      len(meta.context_lens))))
         outputs = llm.generate(batch, params, use_tqdm=False)
-    same_outputs(outputs, generate(tiny_model, batch, params, graphs=False))
+    same_outputs(outputs, eager(tiny_model, batch, params))
     assert {bound for bound, *_ in seen} == {24, 48, longest}
     for bound, context, bs in seen:
         assert bound == next(b for b in (24, 48, longest) if b >= context) and bs <= 2
@@ -205,24 +203,17 @@ def test_graph_replays_take_the_graph_of_the_smallest_bound_on_their_contexts(ti
 @needs_interpreter
 def test_decode_batches_wider_than_every_graph_run_eagerly(tiny_model):
     # graphs for up to 4 sequences under max_num_seqs=8: decode steps of 5-7 run eagerly
-    batch, params = prompts(7, seed=2), greedy(8)
-    same_outputs(generate(tiny_model, batch, params, graphs=True, graphs_up_to=4),
-                 generate(tiny_model, batch, params, graphs=False))
+    same_as_eager(tiny_model, prompts(7, seed=2), greedy(8), graphs_up_to=4)
 
 
 @needs_interpreter
 def test_graph_replays_beside_full_sampler_rows(tiny_model):
     # full-sampler rows beside chunked prompts; the first request holds block 0, where a padding row would write
     batch = prompts(7, seed=3)
-    params = [greedy(14, logprobs=2),
-              SamplingParams(temperature=1.0, seed=5, max_tokens=9, ignore_eos=True),
-              greedy(12),
-              SamplingParams(temperature=0.7, seed=1, top_k=5, max_tokens=11, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=1),
-              greedy(15),
+    params = [greedy(14, logprobs=2), SamplingParams(temperature=1.0, seed=5, max_tokens=9, ignore_eos=True),
+              greedy(12), SamplingParams(temperature=0.7, seed=1, top_k=5, max_tokens=11, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=1), greedy(15),
               greedy(30, repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.4)]
-    graphs = generate(tiny_model, batch, params, graphs=True, max_num_batched_tokens=48)
-    # a padding row writing into a cache would move the logprobs
-    same_outputs(graphs, generate(tiny_model, batch, params, graphs=False, max_num_batched_tokens=48))
-    penalized = graphs[-1]["token_ids"]  # greedy repeats within 30 tokens; penalties forbid it
+    # a padding row writing into a cache would move the logprobs; penalties forbid greedy's repeats in 30 tokens
+    penalized = same_as_eager(tiny_model, batch, params, max_num_batched_tokens=48)[-1]["token_ids"]
     assert len(set(penalized)) == len(penalized) == 30
