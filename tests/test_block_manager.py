@@ -5,7 +5,7 @@ from nanovllm.engine.sequence import Sequence
 BS = 4
 
 
-def seq(*args) -> Sequence:
+def seq(*args):
     return Sequence(list(range(*args)))
 
 

@@ -1,7 +1,6 @@
 """The block manager against a plain reference under random admissions, steps, preemptions (re-admitted with a
 longer history) and finishes: the same block tables, prefix hits, free list in eviction order and cached blocks.
-The reference's free list is a list (taken from the front, freed to the back, a hit removes its blocks wherever
-they are); a cached block is known by the whole prefix it ends, no hashing."""
+The reference's free list is a plain list; a cached block is known by the whole prefix it ends, no hashing."""
 from hypothesis import given, settings, strategies as st
 
 from nanovllm.engine.block_manager import BlockManager
@@ -11,14 +10,14 @@ from tests.conftest import every_block, free_order
 
 class ReferenceBlocks:
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks, block_size):
         self.block_size = block_size
         self.free = list(range(num_blocks))
         self.ref_counts = [0] * num_blocks
         self.prefix_of: list[tuple | None] = [None] * num_blocks  # the tokens up to a cached block's end
         self.cached: dict[tuple, int] = {}
 
-    def _take(self) -> int:
+    def _take(self):
         block_id = self.free.pop(0)
         prefix = self.prefix_of[block_id]
         if prefix is not None and self.cached.get(prefix) == block_id:
@@ -26,7 +25,7 @@ class ReferenceBlocks:
         self.prefix_of[block_id], self.ref_counts[block_id] = None, 1
         return block_id
 
-    def allocate(self, token_ids: list[int]) -> tuple[list[int], int] | None:
+    def allocate(self, token_ids):
         """The block table and how many of its blocks were hits, or None (changing nothing) if it does not fit."""
         hit = []
         for i in range((len(token_ids) - 1) // self.block_size):  # the last token is always computed
@@ -43,17 +42,17 @@ class ReferenceBlocks:
             self.ref_counts[block_id] += 1
         return hit + [self._take() for _ in range(num_blocks - len(hit))], len(hit)
 
-    def deallocate(self, block_table: list[int]):
+    def deallocate(self, block_table):
         for block_id in reversed(block_table):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free.append(block_id)
 
-    def grow(self, block_table: list[int], num_tokens: int):
+    def grow(self, block_table, num_tokens):
         while len(block_table) * self.block_size < num_tokens:
             block_table.append(self._take())
 
-    def cache_computed(self, block_table: list[int], token_ids: list[int], num_computed: int):
+    def cache_computed(self, block_table, token_ids, num_computed):
         for i in range(num_computed // self.block_size):
             if self.prefix_of[block_table[i]] is None:
                 prefix = tuple(token_ids[:(i + 1) * self.block_size])

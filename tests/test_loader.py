@@ -21,7 +21,7 @@ BENCHMARK_SHAPES = {"llama-3.2-1b": 1.236, "llama-3.1-8b": 8.030, "qwen2.5-0.5b"
                     "qwen3-30b-a3b": 30.532}
 
 
-def greedy_tokens(path, **engine_args) -> list[list[int]]:
+def greedy_tokens(path, **engine_args):
     with LLM(str(path), kvcache_block_size=16, **engine_args) as llm:
         return [o["token_ids"] for o in llm.generate(PROMPTS, greedy(12), use_tqdm=False)]
 

@@ -1,4 +1,6 @@
 """The plain sampler, argmax(logits / T - log E), E ~ Exp(1), in torch and Triton: softmax draws, exact argmax."""
+from functools import partial
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -16,17 +18,17 @@ CHI2_LIMIT = {4: 25.0, 7: 30.0}  # by degrees of freedom: P(chi2 > limit) < 1e-4
 needs_triton = pytest.mark.skipif(triton_sampler.triton is None, reason="Triton does not import here")
 
 
-def rng(seed: int) -> torch.Tensor:
+def rng(seed):
     return triton_sampler.make_rng_state(seed, DEVICE)
 
 
-def chi_square(draws: torch.Tensor, logits: torch.Tensor, temperature: float) -> float:
+def chi_square(draws, logits, temperature):
     expected = torch.softmax(logits.double() / temperature, dim=0) * len(draws)
     observed = torch.bincount(draws.cpu(), minlength=len(logits)).double()
     return ((observed - expected) ** 2 / expected).sum().item()
 
 
-def tied_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+def tied_logits(rows, vocab, seed):
     """Logits on a coarse grid: rows hold ties, some between tiles of the kernel."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(-4, 5, (rows, vocab), generator=gen).float()
@@ -113,18 +115,16 @@ def test_kernel_groups_of_tiles_draw_fresh_bits(small_tiles):
 
 @needs_triton
 def test_kernel_draws_come_from_seed_and_step(small_tiles):
-    logits = torch.zeros(8, 64, device=DEVICE)  # uniform: each draw is the noise alone
-    temperatures = torch.ones(8, device=DEVICE)
-    state = rng(7)
-    first = sample_plain(logits, temperatures, state)
-    second = sample_plain(logits, temperatures, state)
-    assert not torch.equal(first, second)
+    # uniform logits: each draw is the noise alone
+    draw, state = partial(sample_plain, torch.zeros(8, 64, device=DEVICE), torch.ones(8, device=DEVICE)), rng(7)
+    first = draw(state)
+    assert not torch.equal(draw(state), first)
     state[1] = 0  # the same seed and step draw the same tokens
-    assert torch.equal(sample_plain(logits, temperatures, state), first)
-    assert not torch.equal(sample_plain(logits, temperatures, rng(8)), first)
+    assert torch.equal(draw(state), first)
+    assert not torch.equal(draw(rng(8)), first)
     assert len(set(first.tolist())) > 4  # rows draw independently of each other
     state[1] = 2 ** 32  # step 0's low word: the high one draws afresh too
-    assert not torch.equal(sample_plain(logits, temperatures, state), first)
+    assert not torch.equal(draw(state), first)
 
 
 @needs_triton

@@ -74,8 +74,7 @@ def test_step_inputs_of_a_mixed_batch():
 
 
 def test_a_step_before_the_cache_exists_writes_no_slot():
-    """The sizing prefill runs before the KV cache is made: its sequences have no blocks, and every token's slot is
-    -1 (write nothing), never slot 0 of a cache."""
+    """The sizing prefill runs before the KV cache exists: no blocks, every slot -1 (write nothing), never slot 0."""
     seqs = [Sequence(list(range(6))), Sequence([1, 2, 3])]
     for seq in seqs:
         seq.num_scheduled_tokens = seq.num_tokens
