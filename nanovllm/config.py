@@ -46,7 +46,7 @@ class Config:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=8)
         _check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=-1)
-        _check_int("seed", self.seed, minimum=0)
+        _check_int("seed", self.seed, minimum=0, maximum=2**63 - 1)  # an int64 on the device
         _check_int("dist_port", self.dist_port, minimum=0, maximum=65535)
         if self.num_kvcache_blocks == 0:
             raise ValueError("num_kvcache_blocks=0: use -1 to size the cache from memory, or a positive cap")

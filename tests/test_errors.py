@@ -36,7 +36,7 @@ def test_fields_the_engine_sets_are_not_engine_arguments(tiny_model, name, value
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization=0 must be in \\(0, 1\\]"),
     ({"num_kvcache_blocks": 0}, "num_kvcache_blocks=0"),  # not a silent "size from memory" (that is -1)
-    ({"seed": -1}, "seed=-1 must be >= 0"),
+    ({"seed": -1}, "seed=-1 must be in"), ({"seed": 2**63}, "seed=9223372036854775808 must be in"),
     ({"tensor_parallel_size": 16}, "tensor_parallel_size=16 must be in \\[1, 8\\]"),  # the limit, not a head count
     ({"device": "tpu"}, "device='tpu'"),
     ({"dtype": "float8"}, "dtype='float8'"),
