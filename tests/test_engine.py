@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.engine import kv_cache
-from nanovllm.engine.llm_engine import eos_token_ids
+from nanovllm.engine.llm_engine import eos_token_ids, sampling_defaults
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.warmup import kernel_warmup_steps, sizing_prefill
 from nanovllm.utils.random_checkpoint import make_random_checkpoint
@@ -166,16 +166,17 @@ def test_stops_at_max_model_len(tiny_model):
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 5
 
 
+def with_gen_config(tiny_model, tmp_path, **fields) -> str:
+    path = shutil.copytree(tiny_model, tmp_path / "model") / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return str(path.parent)
+
+
 def test_stops_on_generation_config_eos(tiny_model, tmp_path):
     prompt = mixed_prompts()[4]
     free_run = generate(LLM(tiny_model), [prompt])[0]["token_ids"]
     stop_at = next(i for i, t in enumerate(free_run) if t not in free_run[:i] and i >= 2)
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model, model)
-    gen_config = json.loads((model / "generation_config.json").read_text())
-    gen_config["eos_token_id"] = [free_run[stop_at]]
-    (model / "generation_config.json").write_text(json.dumps(gen_config))
-    llm = LLM(str(model))
+    llm = LLM(with_gen_config(tiny_model, tmp_path, eos_token_id=[free_run[stop_at]]))
     out = generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=12))[0]
     assert out["finish_reason"] == "stop"
     assert out["token_ids"] == free_run[:stop_at + 1]
@@ -187,13 +188,17 @@ def test_every_eos_id_of_generation_config_counts(tmp_path):
     assert eos_token_ids(str(tmp_path), SimpleNamespace(eos_token_id=5)) == (3, 5, 7)
 
 
+@pytest.mark.parametrize("text, match", [("{bad", " is not valid JSON"), ("[7]", " holds a list"), (
+    '{"eos_token_id": [7, null]}', r": eos_token_id=\[7, None\]"), ('{"top_k": -5}', ": top_k=-5")])
+def test_a_broken_generation_config_is_named(tmp_path, text, match):
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match=f"generation_config.json{match}"):
+        eos_token_ids(str(tmp_path), SimpleNamespace(eos_token_id=5)), sampling_defaults(str(tmp_path))
+
+
 def test_requests_without_params_take_generation_configs_sampling_fields(tiny_model, tmp_path):
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model, model)
-    gen_config = json.loads((model / "generation_config.json").read_text())
-    gen_config.update(temperature=0.0, top_k=3, top_p=None, repetition_penalty=1.5)  # null: not given
-    (model / "generation_config.json").write_text(json.dumps(gen_config))
-    llm = LLM(str(model))
+    # top_p null: not given
+    llm = LLM(with_gen_config(tiny_model, tmp_path, temperature=0.0, top_k=3, top_p=None, repetition_penalty=1.5))
     assert llm.sampling_defaults == {"temperature": 0.0, "top_k": 3, "repetition_penalty": 1.5}
     prompt, as_given = mixed_prompts()[4], SamplingParams(**llm.sampling_defaults)
     outputs = [llm.generate([prompt], p, use_tqdm=False)[0]["token_ids"] for p in (None, as_given, greedy(64))]

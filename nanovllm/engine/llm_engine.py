@@ -75,7 +75,7 @@ class LLMEngine:
         self._loop.check()
         check_alive(self.processes)
 
-    # ---- requests ----------------------------------------------------------------------------------
+    # ---- requests ----
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, checked against the vocabulary and max_model_len."""
         if isinstance(prompt, str):
@@ -118,7 +118,7 @@ class LLMEngine:
                 "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
                 "num_preemptions": self.scheduler.num_preemptions}
 
-    # ---- the online API -----------------------------------------------------------------------------
+    # ---- the online API ----
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestHandle:
         """Queue a request from any thread, at any time; returns its handle at once."""
         return self._submit([self.encode(prompt)], [self._check_params(sampling_params)], stream=True)[0]
@@ -320,7 +320,7 @@ class LLMEngine:
         handle.failed_alone = True
         handle._on_error(error)
 
-    # ---- offline batches ----------------------------------------------------------------------------
+    # ---- offline batches ----
     def generate(self, prompts: list[Prompt] | Prompt,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[dict]:
@@ -427,20 +427,32 @@ def generation_config(model_dir: str) -> dict:
     if not os.path.isfile(path):
         return {}
     with open(path) as f:
-        return json.load(f)
+        try:
+            config = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a {type(config).__name__}, not a JSON object")
+    return config
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
     """The tokenizer's EOS plus every EOS id in generation_config.json."""
     ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
     extra = generation_config(model_dir).get("eos_token_id")
-    if extra is not None:
-        ids.update([extra] if isinstance(extra, int) else extra)
-    return tuple(sorted(ids))
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else extra
+    if not isinstance(extra, list) or not all(type(i) is int and i >= 0 for i in extra):
+        raise ValueError(f"{model_dir}/generation_config.json: eos_token_id={extra!r} must be a token id or a list")
+    return tuple(sorted(ids.union(extra)))
 
 
 def sampling_defaults(model_dir: str) -> dict:
     """The sampling fields that vLLM takes from generation_config.json for what a request leaves out."""
     config = generation_config(model_dir)
     names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    return {name: config[name] for name in names if config.get(name) is not None}
+    defaults = {name: config[name] for name in names if config.get(name) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{model_dir}/generation_config.json: {e}") from e
+    return defaults

@@ -178,7 +178,7 @@ class ModelRunner:
             elif isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
                 module.forward = torch.compile(module.forward, dynamic=True)
 
-    # ---- tensor-parallel plumbing -------------------------------------------------------------------
+    # ---- tensor-parallel plumbing ----
     def exit(self, workers_alive: bool = True):
         gc.unfreeze()  # this engine's cycles (compiled forwards hold the model) can be collected again
         if self.channel is not None:
@@ -254,7 +254,7 @@ class ModelRunner:
             self.channel.post(method_name, *args)
         return getattr(self, method_name)(*args)
 
-    # ---- KV cache and warm-up -----------------------------------------------------------------------
+    # ---- KV cache and warm-up ----
     def allocate_kv_cache(self):
         config, attn_layers, dtype = self.config, self.attn_layers, self.config.kv_cache_torch_dtype
         self.backend.check(self.block_size, attn_layers[0].head_dim, dtype)
@@ -290,7 +290,7 @@ class ModelRunner:
         for seqs in kernel_warmup_steps(self.config, self.block_size):
             self.run(seqs)
 
-    # ---- a step -------------------------------------------------------------------------------------
+    # ---- a step ----
     def prepare(self, inputs: StepInputs, temperatures: np.ndarray | None):
         """The device tensors of a varlen step, in one copy: input ids (a pending token read where the last step
         sampled it), positions, attention metadata, logits indices, and the temperatures of a plain batch."""

@@ -169,7 +169,7 @@ class RequestHandle:
                 self._make_increments()
             self._changed.notify_all()
 
-    # ---- called by whoever steps the engine ---------------------------------------------------------
+    # ---- called by whoever steps the engine ----
     def _on_token(self, token_id: int) -> bool:
         """Take a sampled token; True when it completed a stop string (the text is then cut before it)."""
         seq, detokenizer = self.seq, self._detokenizer
