@@ -38,7 +38,7 @@ def reshard_with_transformers(src, dst):
 def test_sharded_checkpoint(tmp_path, shape):
     single = make_random_checkpoint(tmp_path / "single", shape, tie_word_embeddings=False)
     sharded = reshard_with_transformers(single, tmp_path / "sharded")
-    # a file the index does not name (as Mistral's consolidated.safetensors, in other names) is not read
+    # a file the index does not name is not read
     save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, str(sharded / "consolidated.safetensors"))
     assert check_against_hf(sharded) and greedy_tokens(sharded) == greedy_tokens(single)
 
@@ -112,9 +112,11 @@ def test_sharded_checkpoint_mistakes(tmp_path):
 
 
 def test_no_weights_is_an_error_that_names_dummy(tmp_path):
-    """No weights, a wrong load_format, and an index whose weight_map is empty or missing: each named."""
+    """No weights, a file cut short, a wrong load_format, an index whose weight_map is empty or missing: each named."""
     path = make_random_checkpoint(tmp_path / "m", LLAMA, with_weights=False)
     refuses(FileNotFoundError, "no \\*.safetensors files.*load_format='dummy'", path)
+    (path / "model.safetensors").write_bytes(b"\0" * 9)
+    refuses(ValueError, "model.safetensors' is no safetensors file", path)
     refuses(ValueError, "load_format='npcache' must be one of", path, load_format="npcache")
     for index in ({"weight_map": {}}, {"metadata": {}}):
         (path / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -136,7 +138,7 @@ def test_dummy_weights_are_the_random_checkpoint(tmp_path):
 def test_checkpoint_bytes_of_the_benchmark_shapes():
     sizes = {shape: checkpoint_bytes(shape) / 2e9 for shape in BENCHMARK_SHAPES}
     assert sizes == pytest.approx(BENCHMARK_SHAPES, rel=2e-3)
-    # Qwen3-0.6B (bench.py's default shape): 0.44B parameters besides the embedding, which its LM head shares
+    # Qwen3-0.6B: 0.44B parameters besides the embedding, which its LM head shares
     assert 0.435 <= checkpoint_bytes("qwen3-0.6b") / 2e9 - 151936 * 1024 / 1e9 < 0.445
 
 

@@ -176,7 +176,7 @@ def _prompts(prompt) -> list:
     raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of those")
 
 
-# ---- output lines ----------------------------------------------------------------------------------
+# ---- output lines ----
 def error_line(custom_id: str | None, line: int, code: str, message: str) -> dict:
     request_id = f"batch_req_line{line}" if custom_id is None else f"batch_req_{uuid.uuid4().hex}"
     return {"id": request_id, "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}

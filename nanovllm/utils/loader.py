@@ -1,12 +1,11 @@
 """Checkpoint tensors -> model parameters, through each parameter's `weight_loader`.
 
 Where the tensors come from (`load_format`):
-- "auto" / "safetensors": the folder's safetensors files; a sharded checkpoint's `model.safetensors.index.json`
-  names its files (and then only those are read: some folders also hold e.g. a `consolidated.safetensors` in
-  another naming), otherwise every `*.safetensors` in the folder;
-- "dummy": random tensors with the names and shapes a checkpoint of the model's config would hold, made in memory
-  on the model's device (`utils/random_checkpoint.py`: same scales, and on CPU the very tensors that a random
-  checkpoint of the same config and seed stores), so only config.json and the tokenizer need to exist.
+- "auto" / "safetensors": the files a sharded checkpoint's `model.safetensors.index.json` names (only those: some
+  folders also hold e.g. a `consolidated.safetensors` in other names), else every `*.safetensors` in the folder;
+- "dummy": random tensors in the names and shapes of the model's config, made in memory on its device
+  (`utils/random_checkpoint.py`: same scales; on CPU the very tensors a random checkpoint of the same config and
+  seed stores), so only config.json and the tokenizer need to exist.
 
 Names are transformers': q/k/v_proj and gate/up_proj go into the fused projections (`packed_modules_mapping`),
 `mlp.experts.{e}.{gate,up,down}_proj.weight` into the stacked expert parameters, `mlp.gate` is the router.
@@ -19,7 +18,7 @@ import re
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nanovllm.layers.linear import copy_weight
@@ -54,7 +53,11 @@ def checkpoint_files(path: str) -> list[str]:
 
 def safetensors_tensors(path: str) -> Iterator[tuple[str, str, torch.Tensor]]:
     for file in checkpoint_files(path):
-        with safe_open(file, "pt", "cpu") as f:
+        try:
+            f = safe_open(file, "pt", "cpu")
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file!r} is no safetensors file: {e}") from e
+        with f:
             for name in f.keys():
                 yield name, file, f.get_tensor(name)
 
