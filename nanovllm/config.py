@@ -27,13 +27,13 @@ class Config:
     async_scheduling: bool = True  # overlap: schedule and launch step N+1 while the device runs step N
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: size from memory; a positive value caps the cache
-    device: str = "auto"  # "auto" | "cuda" | "cpu"
-    dtype: str = "auto"  # "auto" | "float32" | "float16" | "bfloat16"
-    attention_backend: str = "auto"  # "auto" | "torch" | "flash-attn" | "triton" | "triton-decode"
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" | "fp8_e4m3"
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
-    dist_port: int = 0  # rendezvous port of the tensor-parallel ranks; 0 picks a free one at start
-    load_format: str = "auto"  # "auto" | "safetensors" | "dummy": random weights made in memory (benchmarks)
+    dist_port: int = 0  # of the tensor-parallel ranks; 0: a free one
+    load_format: str = "auto"  # "dummy": random weights made in memory
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     eos_token_ids: tuple[int, ...] = ()  # filled in by the engine from the tokenizer and generation_config
 
@@ -73,7 +73,10 @@ class Config:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} must be one of {list(LOAD_FORMATS)}")
 
-        self.hf_config = AutoConfig.from_pretrained(self.model)
+        try:
+            self.hf_config = AutoConfig.from_pretrained(self.model)
+        except OSError as e:  # not JSON (transformers' OSError)
+            raise ValueError(f"{self.model}/config.json: {e}") from e
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         check_model_config(self.hf_config, self.max_model_len)  # architecture, rope, activation, sliding window
         tp = self.tensor_parallel_size
@@ -106,7 +109,6 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
-        """Build a Config from engine arguments; a name that is not a field is a TypeError, not ignored."""
         known = {f.name for f in fields(cls)} - {"model", "hf_config", "eos_token_ids"}
         unknown = sorted(set(kwargs) - known)
         if unknown:

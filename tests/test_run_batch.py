@@ -575,3 +575,5 @@ def test_command_line_mistakes_exit_2(tiny_model, tmp_path, capsys):
     assert not os.path.exists(out)
     assert main(["-i", inp, "-o", out, "--model", tiny_model, "--kvcache-block-size", "24"]) == 2
     assert "kvcache_block_size=24" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{")  # not JSON: a bad model (2), not a run to repeat (3)
+    assert main(["-i", inp, "-o", out, "--model", str(tmp_path)]) == 2 and "config.json:" in capsys.readouterr().err
