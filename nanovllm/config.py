@@ -10,7 +10,7 @@ from nanovllm.models import check_model_config
 from nanovllm.utils.loader import LOAD_FORMATS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# vLLM's names: "auto" is the model's dtype; "fp8" means fp8_e4m3 (float8_e4m3fn, scaled per layer)
+# vLLM's names; "auto": the model's dtype
 KV_CACHE_DTYPES = {"auto": None, "fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
 
 
@@ -23,19 +23,19 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
-    prefill_first: bool = False  # True: nano-vllm's steps (all prefill or all decode); False: mixed steps
-    async_scheduling: bool = True  # overlap: schedule and launch step N+1 while the device runs step N
+    prefill_first: bool = False  # nano-vllm's steps, not mixed ones
+    async_scheduling: bool = True  # overlap host and device
     kvcache_block_size: int = 256
-    num_kvcache_blocks: int = -1  # -1: size from memory; a positive value caps the cache
+    num_kvcache_blocks: int = -1
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     seed: int = 0
-    dist_port: int = 0  # of the tensor-parallel ranks; 0: a free one
-    load_format: str = "auto"  # "dummy": random weights made in memory
+    dist_port: int = 0
+    load_format: str = "auto"
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
-    eos_token_ids: tuple[int, ...] = ()  # filled in by the engine from the tokenizer and generation_config
+    eos_token_ids: tuple[int, ...] = ()  # set by the engine
 
     def __post_init__(self):
         if not os.path.isdir(self.model):
@@ -52,11 +52,13 @@ class Config:
             raise ValueError("num_kvcache_blocks=0: use -1 to size the cache from memory, or a positive cap")
         if self.kvcache_block_size % 16:
             raise ValueError(f"kvcache_block_size={self.kvcache_block_size} must be a positive multiple of 16")
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        _check_type("gpu_memory_utilization", self.gpu_memory_utilization, (int, float), "a number")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         for name in ("enforce_eager", "prefill_first", "async_scheduling"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+            _check_type(name, getattr(self, name), bool, "a bool")
+        for name in ("device", "dtype", "attention_backend", "kv_cache_dtype", "load_format"):
+            _check_type(name, getattr(self, name), str, "a str")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device={self.device!r} must be one of 'auto', 'cuda', 'cpu'")
         if self.device == "auto":
@@ -78,7 +80,7 @@ class Config:
         except OSError as e:  # not JSON (transformers' OSError)
             raise ValueError(f"{self.model}/config.json: {e}") from e
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        check_model_config(self.hf_config, self.max_model_len)  # architecture, rope, activation, sliding window
+        check_model_config(self.hf_config, self.max_model_len)
         tp = self.tensor_parallel_size
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
             value = getattr(self.hf_config, name, None)
@@ -86,7 +88,7 @@ class Config:
                 continue
             if name != "num_key_value_heads":
                 raise ValueError(f"the model's {name}={value} does not divide by tensor_parallel_size={tp}")
-            if tp % value:  # fewer KV heads than ranks: each is replicated on tp / value ranks
+            if tp % value:
                 raise ValueError(f"the model's num_key_value_heads={value} neither divides by tensor_parallel_size="
                                  f"{tp} nor divides it (to replicate each KV head on {tp} / {value} ranks)")
         if self.device == "cuda" and tp > torch.cuda.device_count():
@@ -104,7 +106,7 @@ class Config:
 
     @classmethod
     def default(cls, name: str):
-        """A field's default (on a slotted dataclass the class attribute is a slot descriptor, not the default)."""
+        """A field's default (a slotted class's attribute is a descriptor)."""
         return next(f.default for f in fields(cls) if f.name == name)
 
     @classmethod
@@ -122,9 +124,13 @@ def checkpoint_dtype(hf_config: PretrainedConfig) -> str:
     return name if name in DTYPES else "bfloat16"
 
 
+def _check_type(name: str, value, kind, what: str):
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise TypeError(f"{name}={value!r} must be {what}")
+
+
 def _check_int(name: str, value, minimum: int, maximum: int | None = None):
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be an int")
+    _check_type(name, value, int, "an int")
     if value < minimum or (maximum is not None and value > maximum):
         limit = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name}={value} must be {limit}")
