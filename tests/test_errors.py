@@ -1,6 +1,7 @@
 """Bad input gets a clear error before any work starts, and the engine serves the next call normally."""
 import importlib
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -18,8 +19,10 @@ def llm(tiny_model):
     return LLM(tiny_model, kvcache_block_size=16, max_model_len=64)
 
 
-def test_missing_model_folder(tmp_path):
+def test_missing_model_folder_or_tokenizer(tiny_model, tmp_path):
     refuses(FileNotFoundError, "does-not-exist", tmp_path / "does-not-exist")
+    shutil.copy(f"{tiny_model}/config.json", tmp_path)  # transformers makes an empty tokenizer
+    refuses(ValueError, f"{tmp_path}' has no tokenizer", tmp_path, load_format="dummy")
 
 
 def test_unknown_engine_argument_is_named(tiny_model):

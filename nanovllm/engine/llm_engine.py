@@ -25,7 +25,7 @@ from nanovllm.engine.workers import (WorkerDied, WorkerWatch, check_alive, fail_
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-WORKER_REAP_S = 1.0  # how long a failed tensor-parallel step waits to learn whether a worker died in it
+WORKER_REAP_S = 1.0  # a failed TP step's wait to learn whether a worker died in it
 
 
 class LLMEngine:
@@ -33,11 +33,13 @@ class LLMEngine:
     def __init__(self, model: str, **engine_args):
         config = Config.from_kwargs(model, **engine_args)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        if len(self.tokenizer) <= len(self.tokenizer.all_special_ids):  # transformers' tokenizer of no files
+            raise ValueError(f"model folder {config.model!r} has no tokenizer (tokenizer.json, tokenizer.model, ...)")
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads
         config.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
-        self.sampling_defaults = sampling_defaults(config.model)  # what `sampling_params=None` means, as in vLLM
+        self.sampling_defaults = sampling_defaults(config.model)
         self.config = config
-        self._in_flight: Step | None = None  # launched, its tokens not yet accounted for
+        self._in_flight: Step | None = None
         self._last_completed = 0.0
         self._throughput: dict[str, str] = {}
         self.processes, self.model_runner = start_workers(config)
@@ -276,7 +278,6 @@ class LLMEngine:
         return Step(sampled, self.scheduler.launched(seqs), output, num_prefill, num_decode, perf_counter())
 
     def _complete(self, step: "Step") -> list[Sequence]:
-        """Wait for a launched step's tokens, account for them, and tell the handles."""
         token_ids, logprobs = step.output.result()
         # a worker that died during the step leaves garbage behind: no handle gets it (the watch has failed the
         # loop before it aborts the collectives that free this step)
@@ -383,7 +384,7 @@ class Step:
 
 
 def token_id_list(values) -> list[int] | None:
-    """`values` as a list of Python ints (numpy integers too), or None when one of them is not an integer."""
+    """`values` as Python ints (numpy's too), or None if one is no integer."""
     try:
         token_ids = [operator.index(t) for t in values]
     except TypeError:
@@ -394,7 +395,7 @@ def token_id_list(values) -> list[int] | None:
 
 
 def prompt_list(prompts) -> list:
-    """The prompts of a `generate` call: a str or a list of token ids is one prompt (as in vLLM)."""
+    """A str or a list of token ids is one prompt (as in vLLM)."""
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
@@ -409,7 +410,6 @@ def prompt_list(prompts) -> list:
 
 
 def params_list(sampling_params, num_prompts: int) -> list:
-    """One sampling-params entry per prompt, from None, one SamplingParams, or a list of them."""
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
     if not isinstance(sampling_params, (list, tuple)):
@@ -437,7 +437,6 @@ def generation_config(model_dir: str) -> dict:
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
-    """The tokenizer's EOS plus every EOS id in generation_config.json."""
     ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
     extra = generation_config(model_dir).get("eos_token_id")
     extra = [] if extra is None else [extra] if isinstance(extra, int) else extra
