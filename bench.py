@@ -6,9 +6,8 @@
     python bench.py --engine hf              # Hugging Face generate on the same weights and prompts
     python bench.py --shape qwen3-30b-a3b    # random weights in another family's real shape (see --help)
 
-A shape whose checkpoint would exceed 4 GB is not written: its folder holds config.json and the tokenizer, and
-the engine makes random weights in memory (load_format="dummy"; --engine hf then runs transformers' own random
-initialisation of the same config, which costs the same per token).
+A shape over 4 GB is not written: its weights are made in memory (load_format="dummy"; --engine hf: transformers'
+random initialisation, which costs the same per token).
 """
 import argparse
 import time
@@ -20,14 +19,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import SHAPES, checkpoint_bytes, default_checkpoint
 
-DUMMY_ABOVE_BYTES = 4e9  # larger random checkpoints are made in memory, not written (qwen3-30b-a3b: 61 GB)
+DUMMY_ABOVE_BYTES = 4e9
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a Hugging Face model folder (default: random weights)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), help="random-weight shape when no --model is given "
-                        "(default: qwen3-0.6b on CUDA, tiny on CPU)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="default: qwen3-0.6b on CUDA, tiny on CPU")
     parser.add_argument("--load-format", choices=["auto", "dummy"], help="dummy: random weights in memory "
                         "(default: dummy for a --shape whose checkpoint exceeds 4 GB)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
@@ -38,13 +36,15 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--prefill-first", action="store_true", help="nano-vllm's steps instead of mixed ones")
-    parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="complete each step before scheduling the next (no overlap of host and device)")
+    parser.add_argument("--no-async-scheduling", action="store_true", help="no overlap of host and device")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--engine", choices=["nanovllm", "hf"], default="nanovllm")
     parser.add_argument("--hf-output-len", type=int, default=512, help="fixed output length for --engine hf")
     parser.add_argument("--hf-batch-size", type=int, default=256)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name in ("max_input_len", "max_output_len"):
+        if args.min_len > vars(args)[name]:
+            parser.error(f"--min-len {args.min_len} is over --{name.replace('_', '-')} {vars(args)[name]}")
 
     shape = args.shape or ("qwen3-0.6b" if torch.cuda.is_available() else "tiny")
     load_format = args.load_format or ("dummy" if not args.model and checkpoint_bytes(shape) > DUMMY_ABOVE_BYTES
@@ -89,7 +89,7 @@ def main():
 
 
 def print_channel_cost(before: list[dict], after: list[dict]):
-    """What the tensor-parallel channel cost per call (about one per step) during the timed run."""
+    """The TP channel's cost per call (about one per step) in the timed run."""
     for b, a in zip(before, after):
         calls = a["channel_calls"] - b["channel_calls"]
         per_call = (a["channel_seconds"] - b["channel_seconds"]) / max(calls, 1) * 1e6
@@ -100,11 +100,10 @@ def print_channel_cost(before: list[dict], after: list[dict]):
 
 def run_hf(path: str, prompt_token_ids: list[list[int]], output_len: int, batch_size: int,
            random_init: bool = False) -> tuple[int, float, str]:
-    """Hugging Face generate (sdpa), greedy, every prompt to exactly `output_len` new tokens; returns the
-    tokens, the seconds and where it ran."""
+    """Hugging Face generate (sdpa), greedy; returns the tokens, the seconds and where it ran."""
     cuda = torch.cuda.is_available()
     dtype, device = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
-    if random_init:  # no weights on disk: built straight on the device with transformers' own initialisation
+    if random_init:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
                                                      attn_implementation="sdpa").eval()

@@ -2,6 +2,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from profile_decode import chain, largest_gaps  # noqa: E402
 
@@ -39,7 +41,7 @@ def test_latency_names_its_runs_and_splits_first_tokens_and_device_time():
     """latency.py's runs in order (a mixed one per budget, a repeated name numbered), a first token's three parts
     over the requests whose prompt step was seen, and the device's work and idle time by kind of step."""
     from latency import DEFAULT_BUDGET, device_parts, first_token_parts, make_requests, plan_runs
-    timed, warmup = make_requests(20, 128, 512)  # the warm-up's prompts leave nothing in the prefix cache for them
+    timed, warmup = make_requests(20, 128, 512)  # the warm-up's leave no prefix cache for them
     assert [len(p) for p, _ in warmup] == [len(p) for p, _ in timed[:16]]
     assert not {tuple(p[:16]) for p, _ in warmup} & {tuple(p[:16]) for p, _ in timed}
     assert plan_runs(["mixed", "prefill-first", "mixed"], [DEFAULT_BUDGET]) == [
@@ -61,3 +63,10 @@ def test_latency_names_its_runs_and_splits_first_tokens_and_device_time():
     assert device_parts([(Event(a), Event(b), prompt) for a, b, prompt in steps]) == (
         "with prompt tokens (2): work 2.00 / 2.80, idle before 0.50 / 0.50; after one (1): work 1.00 / 1.00, "
         "idle before 0.00 / 0.00; other (1): work 1.00 / 1.00, idle before 0.00 / 0.00")
+
+
+def test_bench_names_a_min_len_over_a_maximum(capsys):  # not randint's error
+    import bench
+    with pytest.raises(SystemExit):
+        bench.main(["--max-input-len", "32", "--max-output-len", "8"])
+    assert "--min-len 100 is over --max-input-len 32" in capsys.readouterr().err
