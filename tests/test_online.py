@@ -121,7 +121,7 @@ def test_only_a_reader_makes_text(llm, monkeypatch):
     monkeypatch.setattr(detokenizer_module, "text_decoder", counting_decoder)
     params = greedy(40)
     out = llm.submit(prompts(1, seed=8)[0], params).result(timeout=30)
-    assert len(out["token_ids"]) == 40 and decodes == ["output"] * 2  # (the prompt's context, and with the output)
+    assert len(out["token_ids"]) == 40 and decodes == ["output"] * 2  # (context, and with it)
     decodes.clear()
     pieces = [increment["text"] for increment in llm.submit(prompts(1, seed=8)[0], params)]
     assert "".join(pieces) == out["text"] and decodes.count("increment") > 2

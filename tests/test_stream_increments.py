@@ -156,7 +156,7 @@ def test_pieces_keep_the_spaces_of_a_sentencepiece_tokenizer(metaspace_tokenizer
 
 
 def test_a_completion_keeps_the_space_its_first_word_has_after_the_prompt(metaspace_tokenizer):
-    """As vLLM: "the quick" + " brown fox", not "brown fox" (a decode of the completion alone drops the space)."""
+    """As vLLM: "the quick" + " brown fox", not "brown fox" (the completion decoded alone)."""
     prompt, completion = (metaspace_tokenizer.encode(text) for text in ("the quick", " brown fox"))
     for stop, text in (([], " brown fox"), (["fox"], " brown ")):  # the output's decode, the detokenizer's text
         seq = Sequence(prompt, SamplingParams(max_tokens=len(completion), stop=stop))

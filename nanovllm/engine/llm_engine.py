@@ -37,9 +37,9 @@ class LLMEngine:
             raise ValueError(f"model folder {config.model!r} has no tokenizer (tokenizer.json, tokenizer.model, ...)")
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads
         config.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
-        self.sampling_defaults = sampling_defaults(config.model)
+        self.sampling_defaults = sampling_defaults(config.model)  # what `sampling_params=None` means, as vLLM
         self.config = config
-        self._in_flight: Step | None = None
+        self._in_flight: Step | None = None  # launched, its tokens not yet accounted for
         self._last_completed = 0.0
         self._throughput: dict[str, str] = {}
         self.processes, self.model_runner = start_workers(config)
